@@ -1,0 +1,68 @@
+"""Test sessions: the quick suite on the default torch, and the torch version matrix.
+
+    nox -s tests          # torch 2.13.0 (CPU), the README's test command
+    nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0)
+
+Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
+Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
+3-5 GB): ``$NOX_TORCH_VENVS`` or ``~/.cache/torchpatch/nox``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+
+import nox
+
+nox.options.envdir = os.environ.get(
+    "NOX_TORCH_VENVS", os.path.join(os.path.expanduser("~"), ".cache", "torchpatch", "nox")
+)
+nox.options.reuse_venv = "yes"
+nox.options.sessions = ["tests"]
+
+DEFAULT_TORCH = "2.13.0"
+# torch version -> what else that torch needs beside it in the venv.
+MATRIX: dict[str, list[str]] = {
+    "1.13.1": ["numpy<2"],
+    "2.1.2": ["numpy<2"],
+    "2.4.1": ["numpy"],
+    "2.9.0": ["numpy", "torch_xla==2.9.0"],
+    DEFAULT_TORCH: ["numpy"],
+}
+
+_wheel: list[str] = []
+
+
+def _build_wheel(session: nox.Session) -> str:
+    """Build torchpatch's wheel once per nox invocation."""
+    if not _wheel:
+        out = tempfile.mkdtemp(prefix="torchpatch-wheel-")
+        session.run_install("python", "-m", "pip", "wheel", "--no-deps", "-q", "-w", out, ".")
+        _wheel.append(glob.glob(os.path.join(out, "torchpatch-*.whl"))[0])
+    return _wheel[0]
+
+
+def _run_suite(session: nox.Session, torch: str) -> None:
+    session.install(f"torch=={torch}", *MATRIX[torch])
+    wheel = _build_wheel(session)
+    session.install("--force-reinstall", "--no-deps", wheel)
+    session.install(f"torchpatch[test] @ file://{wheel}")
+    session.run(
+        "python", "-m", "pytest", *(session.posargs or ["tests"]),
+        env={"TORCHPATCH_EXPECT_TORCH": torch},
+    )
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The quick suite on the default torch (2.13.0, CPU)."""
+    _run_suite(session, DEFAULT_TORCH)
+
+
+@nox.session(tags=["matrix"])
+@nox.parametrize("torch", [v for v in MATRIX if v != DEFAULT_TORCH])
+def matrix(session: nox.Session, torch: str) -> None:
+    """The suite on one older torch of the matrix."""
+    _run_suite(session, torch)

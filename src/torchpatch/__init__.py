@@ -1,0 +1,31 @@
+"""torchpatch: run distributed PyTorch code on the torch you have, with zero code changes.
+
+Activated in every process by ``TORCHPATCH=1`` (through the ``torchpatch.pth`` start-up hook), by
+``torchpatch run -- CMD``, or explicitly by :func:`install`. See ``torchpatch --help``.
+"""
+
+from ._manager import (
+    PatchError,
+    PatchPlan,
+    __version__,
+    _activate_at_startup,
+    install,
+    is_installed,
+    plan,
+    status,
+    uninstall,
+)
+from ._patch import Patch, Patcher
+
+__all__ = [
+    "Patch",
+    "PatchError",
+    "PatchPlan",
+    "Patcher",
+    "__version__",
+    "install",
+    "is_installed",
+    "plan",
+    "status",
+    "uninstall",
+]

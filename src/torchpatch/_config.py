@@ -1,0 +1,126 @@
+"""Flags from the environment, and the decision for each patch: on or off, and why."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Collection, Dict, List, Mapping, Optional, Sequence
+
+from _torchpatch_startup import parse_flag
+
+if TYPE_CHECKING:
+    from ._patch import Patch
+
+RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG")
+LOG_LEVELS = ("debug", "info", "warning", "off")
+
+
+def _id_list(value: Optional[str]) -> List[str]:
+    return [part.strip() for part in (value or "").split(",") if part.strip()]
+
+
+@dataclass
+class Config:
+    """What the ``TORCHPATCH*`` variables say."""
+
+    disable: List[str] = field(default_factory=list)
+    enable: Optional[List[str]] = None
+    switches: Dict[str, bool] = field(default_factory=dict)  # TORCHPATCH_<ID> -> on/off
+    strict: bool = False
+    log_level: str = "info"
+    warnings: List[str] = field(default_factory=list)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] = os.environ) -> "Config":
+        cfg = cls(disable=_id_list(environ.get("TORCHPATCH_DISABLE")))
+        if "TORCHPATCH_ENABLE" in environ:
+            cfg.enable = _id_list(environ["TORCHPATCH_ENABLE"])
+        cfg.strict = bool(parse_flag("TORCHPATCH_STRICT", environ.get("TORCHPATCH_STRICT", "0")))
+        level = environ.get("TORCHPATCH_LOG", "info").strip().lower()
+        if level not in LOG_LEVELS:
+            cfg.warnings.append(f"ignoring TORCHPATCH_LOG={level!r}: use one of {', '.join(LOG_LEVELS)}")
+            level = "info"
+        cfg.log_level = level
+        for name, value in environ.items():
+            if name.startswith("TORCHPATCH_") and name not in RESERVED:
+                flag = parse_flag(name, value)
+                if flag is not None:
+                    cfg.switches[name] = flag
+        return cfg
+
+
+@dataclass
+class Decision:
+    enabled: bool
+    reason: str
+    firm: bool = False  # named explicitly (TORCHPATCH_<ID>, or by id in TORCHPATCH_DISABLE)
+
+
+def decide(cfg: Config, patches: Sequence[Patch], inapplicable: Collection[str] = ()) -> Dict[str, Decision]:
+    """On/off for every patch with the reason, resolving ``requires`` both ways.
+
+    A requirement that does not apply to the installed torch (``inapplicable``) is no requirement
+    there: a patch may need another only on the torch versions where both apply.
+
+    Precedence: ``TORCHPATCH_<ID>`` beats ``TORCHPATCH_ENABLE`` beats ``TORCHPATCH_DISABLE``.
+    Enabling a patch enables what it requires; turning off a required patch turns off its
+    dependents (and says so). Unknown ids become warnings naming the valid ids.
+    """
+    by_id = {p.id: p for p in patches}
+    valid = ", ".join(sorted(by_id))
+    for source, ids in (("TORCHPATCH_DISABLE", cfg.disable), ("TORCHPATCH_ENABLE", cfg.enable or [])):
+        unknown = [i for i in ids if i != "*" and i not in by_id]
+        if unknown:
+            cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(unknown)}; valid ids: {valid}")
+    env_names = {p.env_name: p.id for p in patches}
+    unknown_switches = [name for name in cfg.switches if name not in env_names]
+    if unknown_switches:
+        cfg.warnings.append(
+            f"unknown variable(s) {', '.join(sorted(unknown_switches))}; per-patch switches are "
+            f"{', '.join(sorted(env_names))}"
+        )
+
+    out: Dict[str, Decision] = {}
+    for p in patches:
+        if p.env_name in cfg.switches:
+            on = cfg.switches[p.env_name]
+            out[p.id] = Decision(on, f"{p.env_name}={'1' if on else '0'}", firm=True)
+        elif cfg.enable is not None:
+            on = "*" in cfg.enable or p.id in cfg.enable
+            out[p.id] = Decision(on, "in TORCHPATCH_ENABLE" if on else "not in TORCHPATCH_ENABLE", firm=on)
+        elif p.id in cfg.disable:
+            out[p.id] = Decision(False, "in TORCHPATCH_DISABLE", firm=True)
+        elif "*" in cfg.disable:
+            out[p.id] = Decision(False, "TORCHPATCH_DISABLE=*")
+        else:
+            out[p.id] = Decision(True, "on by default")
+
+    # Enabling a patch explicitly enables what it needs, unless that was named off explicitly.
+    changed = True
+    while changed:
+        changed = False
+        for p in patches:
+            if not (out[p.id].enabled and out[p.id].firm):
+                continue
+            for need in p.requires:
+                if need in inapplicable:
+                    continue
+                d = out.get(need)
+                if d is not None and not d.enabled and not d.firm:
+                    out[need] = Decision(True, f"needed by {p.id}", firm=True)
+                    changed = True
+    # A patch whose requirement is off is off too.
+    changed = True
+    while changed:
+        changed = False
+        for p in patches:
+            if not out[p.id].enabled:
+                continue
+            off = [need for need in p.requires
+                   if need not in inapplicable and (need not in out or not out[need].enabled)]
+            if off:
+                out[p.id] = Decision(False, f"needs {', '.join(off)}, which is off")
+                if all(need in out for need in off):
+                    cfg.warnings.append(f"turning off {off[0]} also turns off {p.id}, which needs it")
+                changed = True
+    return out

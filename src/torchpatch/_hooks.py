@@ -1,0 +1,274 @@
+"""Import machinery, knowing nothing about torch.
+
+- :class:`ImportWatcher`, first on ``sys.meta_path``: for the few module names it watches, wraps
+  the loader that the other finders return so that callbacks run just before and just after the
+  module's code executes. Any other name costs one ``dict`` lookup.
+- :class:`ShimFinder`, last on ``sys.meta_path``: serves a shim module for a name that no other
+  finder found, so it can never shadow a module that exists.
+- :class:`SymbolServer`: serves missing attributes of a module through a chained module-level
+  ``__getattr__`` (PEP 562), which Python calls only for names the module does not have.
+
+The finders and loaders implement the import protocols without deriving from ``importlib.abc``,
+whose import alone costs milliseconds at every start-up.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+ModuleCallback = Callable[[ModuleType], None]
+
+
+class _WatchedLoader:
+    """Delegates to the real loader, running the watcher's callbacks around ``exec_module``."""
+
+    def __init__(self, loader: Any, watcher: "ImportWatcher") -> None:
+        self._loader = loader
+        self._watcher = watcher
+
+    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # The module must not keep us as its loader: reload() and introspection see the real one.
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        name = module.__name__
+        finish = self._watcher._before(name, module)
+        try:
+            self._loader.exec_module(module)
+        finally:
+            finish()
+        self._watcher._after(name, module)
+
+    def __getattr__(self, name: str) -> Any:  # get_source, is_package, get_filename, ...
+        return getattr(self._loader, name)
+
+
+class ImportWatcher:
+    """Calls back around the execution of watched modules' code."""
+
+    def __init__(self) -> None:
+        # name -> callbacks; each "before" callback returns a function to call after the body ran.
+        self._before_cbs: Dict[str, List[Callable[[ModuleType], Callable[[], None]]]] = {}
+        self._after_cbs: Dict[str, List[ModuleCallback]] = {}
+        self._watched: set = set()
+        self._local = threading.local()
+        # Served alias packages (alias -> target), shared with the ShimFinder: their submodules must
+        # come from the target package, never load a second time through the alias's __path__.
+        self.alias_packages: Dict[str, str] = {}
+        self.alias_child: Optional[Callable[[str], Optional[ModuleSpec]]] = None
+
+    def before(self, name: str, callback: Callable[[ModuleType], Callable[[], None]]) -> None:
+        self._before_cbs.setdefault(name, []).append(callback)
+        self._watched.add(name)
+
+    def after(self, name: str, callback: ModuleCallback) -> None:
+        """Run ``callback(module)`` once ``name`` has been imported; at once if it already is."""
+        self._after_cbs.setdefault(name, []).append(callback)
+        self._watched.add(name)
+        module = sys.modules.get(name)
+        if module is not None:
+            callback(module)
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[ModuleSpec]:
+        if fullname not in self._watched:
+            if self.alias_packages and self.alias_child is not None and fullname.rpartition(".")[0] in self.alias_packages:
+                return self.alias_child(fullname)
+            return None
+        busy = self._local.__dict__.setdefault("busy", set())
+        if fullname in busy:
+            return None
+        busy.add(fullname)
+        try:
+            spec = self._find_elsewhere(fullname, path, target)
+        finally:
+            busy.discard(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        spec.loader = _WatchedLoader(spec.loader, self)
+        return spec
+
+    def _find_elsewhere(
+        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType]
+    ) -> Optional[ModuleSpec]:
+        for finder in list(sys.meta_path):
+            if finder is self:
+                continue
+            find_spec = getattr(finder, "find_spec", None)
+            if find_spec is None:
+                continue
+            spec = find_spec(fullname, path, target)
+            if spec is not None:
+                return spec
+        return None
+
+    def _before(self, name: str, module: ModuleType) -> Callable[[], None]:
+        finishers = [cb(module) for cb in self._before_cbs.get(name, ())]
+
+        def finish() -> None:
+            for fn in reversed(finishers):
+                fn()
+
+        return finish
+
+    def _after(self, name: str, module: ModuleType) -> None:
+        for cb in list(self._after_cbs.get(name, ())):
+            cb(module)
+
+
+class _ShimLoader:
+    """Builds a fresh shim module, or hands out an existing module under another name (alias)."""
+
+    def __init__(self, build: Optional[ModuleCallback] = None, resolve: Optional[Callable[[], ModuleType]] = None,
+                 packages: Optional[Dict[str, str]] = None) -> None:
+        self._build = build
+        self._resolve = resolve
+        self._packages = packages
+        self._target_spec: Optional[ModuleSpec] = None
+
+    def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
+        if self._resolve is None:
+            return None
+        module = self._resolve()
+        self._target_spec = module.__spec__
+        if self._packages is not None and hasattr(module, "__path__"):
+            self._packages[spec.name] = module.__name__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        if self._resolve is not None:
+            # importlib stamped the alias's spec on the real module: give it its own back.
+            alias = module.__spec__.name if module.__spec__ is not None else ""
+            module.__spec__ = self._target_spec
+            _keep_parent_attribute(alias, module)
+        elif self._build is not None:
+            self._build(module)
+
+
+def _keep_parent_attribute(alias: str, module: ModuleType) -> None:
+    """Protect the parent of an alias child from importlib's ``setattr(parent, leaf, module)``.
+
+    Under an alias package the parent *is* the target package, which may hold something else
+    under ``leaf``: a function re-exported over its own submodule (``experimental.local_map``).
+    A native import of the submodule never clobbers it (the target submodule is already in
+    ``sys.modules``), so neither may its import under the alias name. The parent's class is
+    swapped, just until that one ``setattr``, for a subclass that swallows it.
+    """
+    parent_name, _, leaf = alias.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    if parent is None or vars(parent).get(leaf, module) is module:
+        return
+    cls = type(parent)
+
+    def __setattr__(self: ModuleType, name: str, value: Any) -> None:
+        if name == leaf and value is module:
+            object.__setattr__(self, "__class__", cls)
+            return
+        cls.__setattr__(self, name, value)
+
+    parent.__class__ = type(cls.__name__, (cls,), {"__setattr__": __setattr__, "__module__": cls.__module__})
+
+
+class ShimFinder:
+    """Serves registered shim modules and module aliases; placed last on ``sys.meta_path``, so only
+    names that no other finder found reach it.
+
+    An alias that is a package records itself in ``alias_packages`` (shared with the
+    :class:`ImportWatcher`, which stands first): a submodule imported under the alias is then the
+    target's own submodule, the same object, instead of a second copy loaded through the package's
+    ``__path__``.
+    """
+
+    def __init__(self, alias_packages: Optional[Dict[str, str]] = None) -> None:
+        self.shims: Dict[str, ModuleCallback] = {}
+        self.aliases: Dict[str, Callable[[], ModuleType]] = {}
+        self.alias_packages: Dict[str, str] = alias_packages if alias_packages is not None else {}
+
+    def find_spec(
+        self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
+    ) -> Optional[ModuleSpec]:
+        build = self.shims.get(fullname)
+        resolve = None if build is not None else self.aliases.get(fullname)  # a built shim wins
+        if build is None and resolve is None:
+            return None
+        prefix = fullname + "."
+        is_package = resolve is None and any(name.startswith(prefix) for name in self.shims)
+        loader = _ShimLoader(build, resolve, self.alias_packages)
+        return importlib.util.spec_from_loader(fullname, loader, is_package=is_package)
+
+    def alias_child(self, fullname: str) -> Optional[ModuleSpec]:
+        """Spec for ``fullname`` whose parent is a served alias package: its own alias if it has
+        one, else the target package's submodule of the same name."""
+        if fullname not in self.aliases:
+            parent, _, leaf = fullname.rpartition(".")
+            target = f"{self.alias_packages[parent]}.{leaf}"
+            if importlib.util.find_spec(target) is None:
+                return None
+            self.aliases[fullname] = lambda: importlib.import_module(target)
+        return self.find_spec(fullname)
+
+
+class SymbolServer:
+    """Serves missing attributes of modules, lazily, never replacing one that exists.
+
+    Installs a module-level ``__getattr__`` that first defers to the module's own ``__getattr__``
+    (if it had one) and only then makes the served object, caching it in the module.
+    """
+
+    def __init__(self) -> None:
+        # module name -> (original __getattr__ or None, served names -> factory, names cached)
+        self._installed: Dict[str, Tuple[Any, Dict[str, Callable[[], Any]], List[str]]] = {}
+
+    def serve(self, module: ModuleType, names: Dict[str, Callable[[], Any]]) -> List[str]:
+        """Serve ``names`` on ``module``; returns the names it lacked (those actually served)."""
+        missing = [n for n in names if n not in vars(module)]
+        if not missing:
+            return []
+        modname = module.__name__
+        if modname in self._installed:
+            self._installed[modname][1].update({n: names[n] for n in missing})
+            return missing
+        original = vars(module).get("__getattr__")
+        table: Dict[str, Callable[[], Any]] = {n: names[n] for n in missing}
+        cached: List[str] = []
+
+        def __getattr__(name: str) -> Any:
+            factory = table.get(name)
+            if original is not None:
+                try:
+                    return original(name)
+                except AttributeError:
+                    if factory is None:
+                        raise
+            if factory is None:
+                raise AttributeError(f"module {modname!r} has no attribute {name!r}")
+            value = factory()
+            setattr(module, name, value)
+            cached.append(name)
+            return value
+
+        module.__getattr__ = __getattr__  # type: ignore[method-assign]
+        self._installed[modname] = (original, table, cached)
+        return missing
+
+    def withdraw_all(self) -> None:
+        for modname, (original, _table, cached) in self._installed.items():
+            module = sys.modules.get(modname)
+            if module is None:
+                continue
+            for name in cached:
+                vars(module).pop(name, None)
+            if original is None:
+                vars(module).pop("__getattr__", None)
+            else:
+                module.__getattr__ = original  # type: ignore[method-assign]
+        self._installed.clear()

@@ -1,0 +1,166 @@
+"""How a patch is declared: :class:`Patch` and the :class:`Patcher` that records what it changed."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+
+
+_ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+_MISSING = object()
+_CALL = object()
+
+ModuleBuilder = Callable[[ModuleType], None]
+SymbolFactory = Callable[[], Any]
+ImportHook = Callable[["Patcher", ModuleType], Optional[bool]]
+
+
+class Patcher:
+    """Changes a behaviour patch makes to live objects, recorded so that each can be undone.
+
+    A hook receives one and uses :meth:`wrap` and :meth:`setattr` instead of assigning directly;
+    :meth:`undo` restores every original, in reverse order.
+    """
+
+    def __init__(self) -> None:
+        self._undo: List[Tuple[Any, str, Any]] = []
+
+    def setattr(self, owner: Any, name: str, value: Any) -> None:
+        """``setattr(owner, name, value)``, remembering what ``owner`` itself held before."""
+        previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
+        setattr(owner, name, value)
+        self._undo.append((owner, name, previous))
+
+    def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
+        """Wrap ``owner.name`` with a wrapt ``wrapper(wrapped, instance, args, kwargs)``."""
+        import wrapt  # only when a patch wraps something: keeps activation light
+
+        original = vars(owner).get(name) if isinstance(owner, type) else None
+        if original is None:
+            original = getattr(owner, name)
+        proxy = wrapt.FunctionWrapper(original, wrapper)
+        self.setattr(owner, name, proxy)
+        return proxy
+
+    def on_undo(self, restore: Callable[[], None]) -> None:
+        """Call ``restore()`` on :meth:`undo`, in order with the rest: for a change that is not an
+        attribute (a switch kept in C++, a registry entry)."""
+        self._undo.append((restore, "", _CALL))
+
+    @property
+    def changed(self) -> bool:
+        return bool(self._undo)
+
+    def undo(self) -> None:
+        while self._undo:
+            owner, name, previous = self._undo.pop()
+            if previous is _CALL:
+                owner()
+            elif previous is _MISSING:
+                try:
+                    delattr(owner, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(owner, name, previous)
+
+
+@dataclass
+class Patch:
+    """One entry of the catalogue.
+
+    ``torch`` is a version specifier (``">=2.0"``, ``">=2.1,<2.5"``) checked against the installed
+    torch's base version; ``python`` likewise against the interpreter. A patch only ever *adds* what
+    the installed torch lacks: shim modules are served only for modules that do not exist, symbols
+    only where the attribute is missing, and behaviour hooks say ``False`` when torch already has
+    the fix.
+    """
+
+    id: str
+    summary: str
+    torch: str
+    upstream: str
+    requires: Tuple[str, ...] = ()
+    python: str = ""
+    behaviour: str = ""
+    modules: Dict[str, ModuleBuilder] = field(default_factory=dict, repr=False)
+    aliases: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (name, target, torch)
+    symbols: Dict[Tuple[str, str], SymbolFactory] = field(default_factory=dict, repr=False)
+    hook_symbols: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (module, name, torch)
+    import_hooks: List[Tuple[str, ImportHook]] = field(default_factory=list, repr=False)
+    import_time_hooks: List[Tuple[str, ImportHook]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        if not _ID.match(self.id):
+            raise ValueError(f"patch id {self.id!r} is not kebab-case")
+        self.requires = tuple(self.requires)
+
+    @property
+    def env_name(self) -> str:
+        """The per-patch switch: ``TORCHPATCH_<ID>``, id upper-cased, ``-`` → ``_``."""
+        return "TORCHPATCH_" + self.id.upper().replace("-", "_")
+
+    @property
+    def provides(self) -> List[str]:
+        """What the patch serves, in words: modules, ``module.symbol`` names, behaviours."""
+        out = [f"module {name}" for name in self.modules]
+        out += [f"module {name} (= {target})" for name, target, _torch in self.aliases]
+        out += [f"{module}.{name}" for module, name in self.symbols]
+        if self.behaviour:
+            out.append(self.behaviour)
+        return out
+
+    # -- declaring what the patch does ---------------------------------------------------------
+    def module(self, name: str) -> Callable[[ModuleBuilder], ModuleBuilder]:
+        """Serve ``name`` where it does not exist: the function fills the new, empty module."""
+
+        def register(build: ModuleBuilder) -> ModuleBuilder:
+            self.modules[name] = build
+            return build
+
+        return register
+
+    def alias(self, name: str, target: str, torch: str = "") -> None:
+        """Serve module ``name``, where it does not exist, as the very module ``target``; with
+        ``torch``, only on the torch versions that specifier admits (within the patch's own)."""
+        self.aliases.append((name, target, torch))
+
+    def symbol(self, module: str, name: str) -> Callable[[SymbolFactory], SymbolFactory]:
+        """Serve ``module.name`` where the module exists without it: the function makes the
+        object, once, on first access."""
+
+        def register(factory: SymbolFactory) -> SymbolFactory:
+            self.symbols[(module, name)] = factory
+            return factory
+
+        return register
+
+    def sets(self, module: str, names: Iterable[str], torch: str = "") -> None:
+        """Declare that a hook of this patch sets ``module.<name>``, for each of ``names``, where
+        torch lacks it (with ``torch``, only on the versions that specifier admits). This serves
+        nothing by itself: it lets ``torchpatch check`` see names that a hook sets."""
+        self.hook_symbols += [(module, name, torch) for name in names]
+
+    def on_import(self, module: str) -> Callable[[ImportHook], ImportHook]:
+        """Run ``hook(patcher, module)`` after ``module`` is imported (at once if it already is).
+        The hook returns ``False`` when the installed torch needs no fix."""
+
+        def register(hook: ImportHook) -> ImportHook:
+            self.import_hooks.append((module, hook))
+            return hook
+
+        return register
+
+    def during_import(self, module: str) -> Callable[[ImportHook], ImportHook]:
+        """Run ``hook(patcher, module)`` on the new module object *before* its code executes, for
+        fixes that must act while the module's own body runs (a post-import hook would be too
+        late when the body itself raises). What the hook changes through ``patcher`` is undone
+        as soon as the body has run."""
+
+        def register(hook: ImportHook) -> ImportHook:
+            self.import_time_hooks.append((module, hook))
+            return hook
+
+        return register

@@ -1,0 +1,120 @@
+"""Shared helpers: every behaviour test runs a real Python subprocess with real environment
+variables (torchpatch's start-up hook only acts at interpreter start)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Dict, Optional
+
+import pytest
+
+from torchpatch import _versions
+
+# Each test sets the TORCHPATCH* variables it means; none leak in from the caller's shell.
+for _name in [n for n in os.environ if n.startswith("TORCHPATCH")]:
+    del os.environ[_name]
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+PLUGIN = HERE / "fixtures" / "plugin"
+TORCH = _versions.torch_version()
+
+
+def torch_matches(spec: str) -> bool:
+    return _versions.matches(spec, TORCH)
+
+
+def only_torch(spec: str, why: str = ""):
+    """Skip unless the installed torch matches ``spec``."""
+    return pytest.mark.skipif(not torch_matches(spec), reason=f"needs torch {spec}; have {TORCH}. {why}")
+
+
+def clean_env(**extra: Optional[str]) -> Dict[str, str]:
+    """os.environ without any TORCHPATCH* or torchrun variables, plus ``extra`` (None removes)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("TORCHPATCH", "PYTEST_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k, v in extra.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
+def run_py(code: str, *, env: Optional[Dict[str, str]] = None, args=(), timeout: float = 180, cwd=None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter of this venv."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
+def run_json(code: str, **kw) -> dict:
+    """Run ``code``, which prints one JSON document as its last stdout line; fail loudly otherwise."""
+    proc = run_py(code, **kw)
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def plugin_env(**extra: Optional[str]) -> Dict[str, str]:
+    """An environment that has the demo plugin (fake targets + third-party patches) importable."""
+    path = os.pathsep.join([str(PLUGIN)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+    return clean_env(PYTHONPATH=path, **extra)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+sys.path.insert(0, str(REPO / "examples"))
+from launch import launch  # noqa: E402  (the plain env:// launcher of examples/)
+
+RESULT = "TORCHPATCH-TEST-RESULT "
+
+
+def run_ranks(script: str, *, nproc: int = 2, env: Optional[Dict[str, str]] = None, tmp_path: Path,
+              launcher: str = "auto", timeout: float = 240) -> subprocess.CompletedProcess:
+    """Run ``script`` (source text) as ``nproc`` ranks on loopback/gloo; one combined result.
+
+    ``launcher``: "torchrun" (the real one), "plain" (examples/launch.py) or "auto", which picks
+    torchrun except on torch 1.13 without TORCHPATCH, whose torchrun crashes on Python 3.11 unless
+    torchpatch fixes it (the torchrun-py311 patch).
+    """
+    path = tmp_path / "rank_script.py"
+    path.write_text(textwrap.dedent(script))
+    env = env if env is not None else clean_env()
+    if launcher == "auto":
+        launcher = "torchrun" if torch_matches(">=2.0") or env.get("TORCHPATCH") == "1" else "plain"
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(path)]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    ranks = launch(str(path), nproc, env=env, timeout=timeout)
+    return subprocess.CompletedProcess(
+        [str(path)], max((abs(r.returncode) for r in ranks), default=0),
+        "".join(r.stdout or "" for r in ranks), "".join(r.stderr or "" for r in ranks),
+    )
+
+
+def rank_result(proc: subprocess.CompletedProcess) -> dict:
+    """The JSON document a rank script printed after ``RESULT`` (rank 0 prints it)."""
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            return json.loads(line[len(RESULT):])
+    raise AssertionError(f"no result line; rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}")

@@ -1,0 +1,114 @@
+"""Activation: the start-up hook, on/off parsing, explicit install(), idempotence, zero cost off."""
+
+import pytest
+
+from conftest import REPO, clean_env, run_json, run_py
+
+STATE = """
+import copy, json, sys
+found = [type(f).__module__ + "." + type(f).__name__ for f in sys.meta_path]
+print(json.dumps({
+    "modules": sorted(m for m in sys.modules if "torchpatch" in m),
+    "finders": [f for f in found if "torchpatch" in f],
+    "deepcopy": copy.deepcopy.__module__ + "." + type(copy.deepcopy).__name__,
+}))
+"""
+
+
+@pytest.mark.parametrize("value", [None, "0", "false", "No", "OFF", ""])
+def test_off_means_nothing_at_all(value):
+    state = run_json(STATE, env=clean_env(TORCHPATCH=value))
+    assert state == {"modules": [], "finders": [], "deepcopy": "copy.function"}
+
+
+def test_off_leaves_torch_untouched():
+    state = run_json(
+        """
+        import json, sys, torch, torch.distributed as dist
+        import torch._C._distributed_c10d as c10d
+        print(json.dumps({
+            "modules": sorted(m for m in sys.modules if "torchpatch" in m),
+            "deepcopy": [hasattr(getattr(c10d, n), "__deepcopy__") for n in ("ProcessGroup", "Backend") if hasattr(c10d, n)],
+        }))
+        """
+    )
+    assert state["modules"] == []
+    assert not any(state["deepcopy"])
+
+
+@pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
+def test_on_spellings_activate(value):
+    state = run_json(STATE, env=clean_env(TORCHPATCH=value))
+    assert "torchpatch" in state["modules"]
+    assert state["finders"] == ["torchpatch._hooks.ImportWatcher", "torchpatch._hooks.ShimFinder"]
+
+
+def test_unknown_value_warns_once_and_stays_off():
+    proc = run_py(STATE, env=clean_env(TORCHPATCH="maybe"))
+    assert proc.returncode == 0
+    warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert "TORCHPATCH='maybe'" in warnings[0] and "1/true/yes/on" in warnings[0] and "0/false/no/off" in warnings[0]
+    assert '"modules": ["_torchpatch_startup"], "finders": []' in proc.stdout  # not the package
+
+
+def test_activation_does_not_import_torch():
+    state = run_json(
+        "import json, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'tp': 'torchpatch' in sys.modules}))",
+        env=clean_env(TORCHPATCH="1"),
+    )
+    assert state == {"torch": False, "tp": True}
+
+
+def test_explicit_install_ignores_the_variable_but_not_the_opt_outs():
+    code = """
+        import json, torchpatch
+        torchpatch.install()
+        import torch
+        try:
+            import torch._six
+            six = True
+        except ImportError:
+            six = False
+        print(json.dumps({"installed": torchpatch.is_installed(), "six": six}))
+    """
+    from conftest import torch_matches
+
+    served = torch_matches(">=2.0")  # 1.13 has torch._six natively
+    assert run_json(code, env=clean_env(TORCHPATCH="0")) == {"installed": True, "six": True}
+    off = run_json(code, env=clean_env(TORCHPATCH_DISABLE="torch-six"))
+    assert off == {"installed": True, "six": not served}
+
+
+def test_pth_sitecustomize_and_install_activate_once(tmp_path):
+    (tmp_path / "sitecustomize.py").write_text((REPO / "sitecustomize_example.py").read_text())
+    state = run_json(
+        """
+        import json, sys, torchpatch
+        torchpatch.install(); torchpatch.install()
+        kinds = [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("torchpatch")]
+        print(json.dumps(kinds))
+        """,
+        env=clean_env(TORCHPATCH="1", PYTHONPATH=str(tmp_path)),
+    )
+    assert state == ["ImportWatcher", "ShimFinder"]
+
+
+def test_uninstall_restores_everything():
+    state = run_json(
+        """
+        import copy, json, sys, torchpatch
+        import torch.distributed as dist
+        import torch._C._distributed_c10d as c10d
+        before = hasattr(c10d.ProcessGroup, "__deepcopy__")
+        torchpatch.uninstall()
+        print(json.dumps({
+            "before": before,
+            "after": hasattr(c10d.ProcessGroup, "__deepcopy__"),
+            "finders": [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("torchpatch")],
+            "installed": torchpatch.is_installed(),
+        }))
+        """,
+        env=clean_env(TORCHPATCH="1"),
+    )
+    assert state == {"before": True, "after": False, "finders": [], "installed": False}

@@ -1,0 +1,292 @@
+"""``torchpatch check``: the scan of fixture training repositories (tests/fixtures/check), run as the
+real command, against the installed torch (each row checked by importing the name, with torchpatch
+off and on) and against inventoried torches that need not be installed (--torch)."""
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import HERE, REPO, TORCH, clean_env, run_json
+from torchpatch import _versions
+
+FIXTURES = HERE / "fixtures" / "check"
+TRAINER = FIXTURES / "trainer"
+CLEAN = FIXTURES / "clean"
+INVENTORY = REPO / "patches" / "_inventory"
+
+
+def check(*args, env=None, cwd=FIXTURES):
+    return subprocess.run([sys.executable, "-m", "torchpatch", "check", *map(str, args)], env=env or clean_env(),
+                          capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def report(*args, env=None):
+    proc = check(*args, "--json", env=env)
+    assert proc.returncode in (0, 1), proc.stderr
+    data = json.loads(proc.stdout)
+    assert proc.returncode == data["exit"]
+    return data
+
+
+def kinds(data):
+    return {row["name"]: row["kind"] for row in data["rows"]}
+
+
+def inventory(version):
+    return json.loads(gzip.decompress((INVENTORY / f"torch-{version}.json.gz").read_bytes()))
+
+
+OFF = clean_env(TORCHPATCH_DISABLE="*")  # torch alone: what each row says without the catalogue
+
+# What the trainer fixture uses that is not native on each inventoried torch, with the catalogue
+# switched off; everything else it uses must come out native. Each entry is a fact about that torch
+# (the fixture's comments say which version brought what) or about the guard around it.
+OPS = {"torch.ops._c10d_functional.reduce_scatter_tensor": "unknown", "torch.ops.aten.mm": "unknown",
+       "torch.ops.trainer_kernels.fused_rmsnorm": "unknown"}  # an inventory has no operator list
+DATA = {f"torch.utils.data.{n}": "unknown" for n in ("DataLoader", "Dataset", "DistributedSampler")}  # not walked
+PUBLIC_DTENSOR = {f"torch.distributed.tensor.{n}": "unresolved" for n in ("DTensor", "Replicate", "Shard")}  # 2.5
+NOT_NATIVE = {
+    "2.4.1": {
+        **PUBLIC_DTENSOR,
+        "torch.distributed.fsdp.fully_shard": "guarded",  # public FSDP2 name: 2.6; try-branch
+        "torch.distributed.tensor.experimental.context_parallel": "guarded",  # 2.5; behind a version test
+        "torch.distributed.tensor.experimental.local_map": "guarded",  # 2.5; under contextlib.suppress
+        "torch._six": "unknown",  # gone since 2.0, but torch's own submodules are not walked
+        **OPS, **DATA,
+    },
+    "2.1.2": {
+        **PUBLIC_DTENSOR,
+        "torch.distributed._composable.fsdp.fully_shard": "unresolved",  # the except-branch runs: FSDP2 is 2.4
+        "torch.distributed.checkpoint.load": "unresolved",  # dcp.save/load, state_dict, stateful: 2.2
+        "torch.distributed.checkpoint.save": "unresolved",
+        "torch.distributed.checkpoint.state_dict.StateDictOptions": "unresolved",
+        "torch.distributed.checkpoint.state_dict.get_state_dict": "unresolved",
+        "torch.distributed.checkpoint.state_dict.set_state_dict": "unresolved",
+        "torch.distributed.checkpoint.stateful.Stateful": "unresolved",
+        "torch.distributed.device_mesh.init_device_mesh": "unresolved",  # 2.1 has it as _tensor.device_mesh
+        "torch.uint32": "unresolved",  # 2.3
+        "torch.distributed.fsdp.fully_shard": "guarded",
+        "torch.distributed.tensor.experimental.context_parallel": "guarded",
+        "torch.distributed.tensor.experimental.local_map": "guarded",
+        "torch.nn.RMSNorm": "guarded",  # 2.4, behind hasattr
+        "torch.nn.attention.SDPBackend": "guarded",  # torch.nn.attention: 2.2; try/except ImportError
+        "torch.nn.attention.sdpa_kernel": "guarded",
+        "torch.uint64": "guarded",  # behind hasattr in a conditional expression
+        "torch._six": "unknown",
+        **OPS, **DATA,
+    },
+    "1.13.1": {
+        **PUBLIC_DTENSOR,
+        "torch.distributed._composable.fsdp.fully_shard": "unresolved",
+        "torch.distributed.checkpoint": "unresolved",  # 1.13 has it as _shard.checkpoint
+        "torch.distributed.checkpoint.load": "unresolved",
+        "torch.distributed.checkpoint.save": "unresolved",
+        "torch.distributed.checkpoint.state_dict.StateDictOptions": "unresolved",
+        "torch.distributed.checkpoint.state_dict.get_state_dict": "unresolved",
+        "torch.distributed.checkpoint.state_dict.set_state_dict": "unresolved",
+        "torch.distributed.checkpoint.stateful.Stateful": "unresolved",
+        "torch.distributed.device_mesh.init_device_mesh": "unresolved",  # no DTensor at all on 1.13
+        "torch.distributed.tensor.parallel.ColwiseParallel": "unresolved",  # 2.0
+        "torch.distributed.tensor.parallel.RowwiseParallel": "unresolved",
+        "torch.distributed.tensor.parallel.parallelize_module": "unresolved",
+        "torch.nn.functional.scaled_dot_product_attention": "unresolved",  # 2.0
+        "torch.uint32": "unresolved",
+        "torch.compile": "guarded",  # 2.0, behind hasattr
+        "torch.distributed.fsdp.fully_shard": "guarded",
+        "torch.distributed.tensor.experimental.context_parallel": "guarded",
+        "torch.distributed.tensor.experimental.local_map": "guarded",
+        "torch.nn.RMSNorm": "guarded",
+        "torch.nn.attention.SDPBackend": "guarded",
+        "torch.nn.attention.sdpa_kernel": "guarded",
+        "torch.uint64": "guarded",
+        "torch._six.inf": "unknown",  # torch._six exists, but its names are not inventoried
+        **OPS, **DATA,
+    },
+}
+
+
+@pytest.mark.parametrize("version", sorted(NOT_NATIVE))
+def test_inventoried_torch(version):
+    data = report(TRAINER, "--torch", version, "--no-import", env=OFF)  # the inventory alone, even where installed
+    assert data["torch"] == version
+    found = kinds(data)
+    assert {n: k for n, k in found.items() if k != "native"} == NOT_NATIVE[version]
+    assert {"torch.nn.Linear", "torch.distributed.all_reduce", "torch.optim.AdamW"} <= set(found)
+    assert data["exit"] == 1 if "unresolved" in NOT_NATIVE[version].values() else 0
+    # the file that does not parse is reported and skipped; the others are scanned
+    assert data["skipped"] == [{"file": "trainer/trainer/config.py", "line": 5, "error": data["skipped"][0]["error"]}]
+    assert "SyntaxError" in data["skipped"][0]["error"]
+    assert data["files"] == 8 and data["files_with_torch"] == 6  # __init__.py names no torch
+
+
+@pytest.mark.parametrize("version", sorted(NOT_NATIVE))
+def test_patched_rows_are_the_catalogues_doing(version):
+    """With the catalogue on, a row changes only to "patched", naming the patches that serve it
+    (switched off, that row is what torch alone gives and says which patch would serve it), or to
+    "unknown" where a patch serves it as a module the inventory could not import."""
+    off = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import", env=OFF)["rows"]}
+    on = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import")["rows"]}
+    catalogue = {r["id"]: r for r in json.loads(subprocess.run(
+        [sys.executable, "-m", "torchpatch", "list", "--json"], capture_output=True, text=True, env=clean_env()).stdout)}
+    for name, row in on.items():
+        if row["kind"] != "patched":
+            undecided = row["kind"] == "unknown" and " serves it as " in row["note"]  # a served module's target
+            assert off.get(name, {}).get("kind") == row["kind"] or undecided, (name, row)
+            continue
+        assert row["patches"] and all(_versions.matches(catalogue[p]["torch"], version) for p in row["patches"])
+        was = off.get(name) or next(r for n, r in off.items() if name.startswith(n + "."))  # cut where it fails
+        assert was["kind"] in ("unresolved", "guarded", "unknown"), (name, was)
+        assert any(f"patch {p} would serve it but is off" in was["note"] for p in row["patches"]) or (
+            was["kind"] == "unknown"), (name, was)
+    patched = {n for n, r in on.items() if r["kind"] == "patched"}
+    # the catalogue's long-standing patches, on the torch versions they are for
+    expected = {
+        "2.4.1": {"torch.distributed.tensor.DTensor", "torch._six.inf"},
+        "2.1.2": {"torch.distributed.tensor.DTensor", "torch.distributed.device_mesh.init_device_mesh",
+                  "torch.distributed.checkpoint.save", "torch.distributed.checkpoint.stateful.Stateful"},
+        "1.13.1": set(),  # torch.distributed.checkpoint is served as _shard.checkpoint, which did not import there
+    }[version]
+    assert expected <= patched
+
+
+def test_rows_name_versions_guards_and_what_cannot_be_backported():
+    data = report(TRAINER, "--torch", "2.1.2", "--no-import")
+    rows = {r["name"]: r for r in data["rows"]}
+    fsdp2 = rows["torch.distributed._composable.fsdp.fully_shard"]
+    have = [v for v in ("1.13.1", "2.1.2", "2.4.1", "2.9.0", "2.13.0")
+            if "fully_shard" in inventory(v)["modules"].get("torch.distributed._composable.fsdp", {})]
+    assert fsdp2["exists_in"] == have == ["2.4.1", "2.9.0", "2.13.0"]
+    assert fsdp2["not_backportable"]["torch"] == ">=2.4" and "FSDP2" in fsdp2["not_backportable"]["what"]
+    assert fsdp2["locations"] == [{"file": "trainer/trainer/parallel.py", "line": 11}]
+    assert not fsdp2["guarded"]  # an except-branch whose try-branch fails here runs
+    public = rows["torch.distributed.fsdp.fully_shard"]
+    assert public["guarded"] and public["guards"] == ["try/except ImportError (trainer/trainer/parallel.py:8)"]
+    assert rows["torch.nn.RMSNorm"]["guards"] == ['if hasattr(nn, "RMSNorm") (trainer/trainer/model.py:11)']
+    assert rows["torch.distributed.tensor.experimental.context_parallel"]["guards"] == [
+        'if TORCH_VERSION >= Version("2.5") (trainer/trainer/compat.py:14)']
+    assert rows["torch.uint32"]["not_backportable"]["torch"] == ">=2.3"
+    assert rows["torch.distributed.tensor.DTensor"]["patches"] == ["dtensor-public"]
+    assert rows["torch.distributed.tensor.DTensor"]["locations"] == [  # annotation, import, chain on an imported class
+        {"file": "trainer/trainer/compat.py", "line": 22}, {"file": "trainer/trainer/parallel.py", "line": 5},
+        {"file": "trainer/trainer/parallel.py", "line": 55}]
+    assert rows["torch.distributed.ReduceOp"]["locations"] == [{"file": "trainer/trainer/parallel.py", "line": 45}]
+    assert rows["torch.distributed.device_mesh.init_device_mesh"]["how"] == [
+        "torch.distributed.device_mesh = torch.distributed._tensor.device_mesh (dtensor-public)"]
+
+    # on 2.4.1 the try-branch fails and the except-branch resolves, so nothing fails
+    rows = {r["name"]: r for r in report(TRAINER, "--torch", "2.4.1", "--no-import")["rows"]}
+    assert rows["torch.distributed._composable.fsdp.fully_shard"]["kind"] == "native"
+    # on 2.13 the try-branch resolves and the except-branch never runs
+    rows = {r["name"]: r for r in report(TRAINER, "--torch", "2.13.0", "--no-import")["rows"]}
+    assert rows["torch.distributed.fsdp.fully_shard"]["kind"] == "native"
+
+
+def test_switched_off_patch_leaves_the_name_unresolved_and_says_why():
+    data = report(TRAINER, "--torch", "2.1.2", "--no-import", env=clean_env(TORCHPATCH_DISABLE="dtensor-public"))
+    rows = {r["name"]: r for r in data["rows"]}
+    assert rows["torch.distributed.tensor.DTensor"]["kind"] == "unresolved"
+    assert "dtensor-public would serve it but is off (in TORCHPATCH_DISABLE)" in rows["torch.distributed.tensor.DTensor"]["note"]
+
+
+PROBE = r"""
+import importlib, json, sys
+
+def probe(name):
+    parts = name.split(".")
+    import torch
+    if name.startswith("torch.ops."):
+        import torch.distributed
+        obj = torch.ops
+        for part in parts[2:]:
+            obj = getattr(obj, part)
+        return
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+            break
+        except ModuleNotFoundError:
+            continue
+    for part in parts[i:]:
+        obj = getattr(obj, part)
+
+found = {}
+for name in json.loads(sys.argv[1]):
+    try:
+        probe(name)
+        found[name] = True
+    except Exception:
+        found[name] = False
+print(json.dumps(found))
+"""
+
+
+def test_installed_torch_rows_match_what_importing_finds():
+    """The reference: each name looked up for real, with torchpatch off and then on."""
+    data = report(TRAINER)
+    assert data["installed"] == TORCH and "installed torch" in data["source"]
+    rows = [r for r in data["rows"] if r["kind"] != "unknown"]
+    names = json.dumps([r["name"] for r in rows])
+    off = run_json(PROBE, args=[names], env=clean_env(), cwd=FIXTURES)
+    on = run_json(PROBE, args=[names], env=clean_env(TORCHPATCH="1", TORCHPATCH_LOG="off"), cwd=FIXTURES)
+    for row in rows:
+        name, kind = row["name"], row["kind"]
+        expected = {"native": (True, True), "patched": (False, True), "unresolved": (False, False),
+                    "guarded": (False, False)}[kind]
+        assert (off[name], on[name]) == expected, (name, kind, row)
+    unknown = {r["name"]: r["note"] for r in data["rows"] if r["kind"] == "unknown"}
+    assert "no operator namespace 'trainer_kernels'" in unknown["torch.ops.trainer_kernels.fused_rmsnorm"]
+    assert "torch.ops.aten.mm" not in unknown and "torch.utils.data.DataLoader" not in unknown  # decided live
+
+
+def test_clean_repository_exits_zero_and_reports_the_file_that_does_not_parse():
+    for args in ((), ("--torch", "2.1.2"), ("--torch", "1.13.1")):
+        proc = check(CLEAN, *args)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "skipped    clean/notes.py:5: SyntaxError" in proc.stdout
+        assert "0 unresolved" in proc.stdout and proc.stdout.rstrip().endswith("exit 0")
+    proc = check(CLEAN, "--torch", "1.13.1", env=OFF)
+    assert "guarded    torch.nn.attention.sdpa_kernel" in proc.stdout and proc.returncode == 0
+
+
+def test_text_report_and_usage_errors():
+    proc = check(TRAINER, "--torch", "1.13.1", "--no-import", env=OFF)
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("torchpatch check: 8 files (6 use torch), 57 torch names") and "torch 1.13.1" in lines[0]
+    first = [line.split()[0] for line in lines[1:] if line.startswith("  ") and not line.startswith("   ")]
+    assert first == sorted(first, key=["unresolved", "guarded", "unknown", "patched", "native", "skipped"].index)
+    assert any("not backportable: FSDP2 (fully_shard), torch >=2.4" in line for line in lines)
+    assert lines[-1] == "17 unresolved, 8 guarded, 7 unknown, 0 patched, 25 native; exit 1"
+
+    bad = check(TRAINER, "--torch", "3.99")
+    assert bad.returncode == 2 and "inventoried 1.13.1, 2.1.2, 2.4.1, 2.9.0, 2.13.0" in bad.stderr
+    assert check(FIXTURES / "nope").returncode == 2
+    help_text = check("--help").stdout
+    for text in ("native", "patched", "unresolved", "guarded", "unknown", "--torch", "--json", "--no-import",
+                 "Exit status: 0", "try/except ImportError", "hasattr", "TORCH_VERSION"):
+        assert text in help_text, text
+
+
+def test_check_never_imports_torch_in_its_own_process():
+    result = run_json(
+        f"""
+        import json, sys
+        from torchpatch import _check
+        for requested in ("2.1.2", None):
+            report = _check.check([{str(TRAINER)!r}], _check.choose_target(requested, live=True))
+        print(json.dumps({{"torch": "torch" in sys.modules, "rows": len(report["rows"])}}))
+        """
+    )
+    assert result["torch"] is False and result["rows"] > 50
+
+
+def test_doctor_names_what_cannot_be_backported_to_this_torch():
+    report = json.loads(subprocess.run([sys.executable, "-m", "torchpatch", "doctor", "--json"], capture_output=True,
+                                       text=True, env=clean_env(), timeout=120).stdout)
+    table = json.loads((REPO / "patches" / "not_backportable.json").read_text())["entries"]
+    named = {e["name"] for e in report["not_backportable"]}
+    found = run_json(PROBE, args=[json.dumps([e["name"] for e in table])], env=clean_env())
+    assert {e["name"] for e in table if not found[e["name"]]} == named  # named exactly where torch lacks it

@@ -1,0 +1,72 @@
+"""The relocation table: derived from the matrix inventories, and each entry that applies to the
+installed torch resolves to a module defining the same qualified names."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO, TORCH, clean_env, run_json, torch_matches
+from torchpatch._registry import builtin_patches
+
+TABLE = json.loads((REPO / "patches" / "relocations.json").read_text())
+HERE = [e for e in TABLE if torch_matches(e["torch"])]
+
+PROBE = """
+import importlib, json, sys, warnings
+warnings.simplefilter("ignore")
+import torch
+out = {}
+for name, target, qualnames in json.loads(sys.argv[1]):
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        out[name] = "ImportError: " + str(exc)
+        continue
+    same = module is importlib.import_module(target)
+    found = []
+    for q in qualnames:
+        obj = module
+        for part in q.split("."):
+            obj = getattr(obj, part, None)
+        found.append(getattr(obj, "__qualname__", None) == q)
+    out[name] = {"same_module": same, "qualnames_ok": all(found), "n": len(found)}
+print(json.dumps(out))
+"""
+
+
+def probe(entries, **env):
+    args = json.dumps([[e["name"], e["target"], e["qualnames"]] for e in entries])
+    return run_json(PROBE, args=[args], env=clean_env(**env), timeout=300)
+
+
+def test_table_is_derived_from_the_inventories():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "relocations.py"), "--check"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert len(TABLE) > 20 and any(e["alias"] for e in TABLE) and any(not e["alias"] for e in TABLE)
+    for e in TABLE:
+        assert e["alias"] or e["why_not"].startswith(("signatures changed", "its package"))
+
+
+def test_entries_for_this_torch_resolve_to_the_same_qualified_names():
+    served = [e for e in HERE if e["alias"]]
+    refused = [e for e in HERE if not e["alias"]]
+    if not HERE:
+        assert torch_matches("<2.1"), f"no relocation entry applies to torch {TORCH}"
+        return
+    native = probe(served + refused)
+    assert all(str(v).startswith("ImportError") for v in native.values()), native  # missing natively
+    patched = probe(served + refused, TORCHPATCH="1")
+    for e in served:
+        assert patched[e["name"]] == {"same_module": True, "qualnames_ok": True, "n": len(e["qualnames"])}, e["name"]
+    # Signature changed: deliberately not served as the alias. A patch may serve a module of its own
+    # under that name (dtensor-random: torch.distributed.tensor._random with 2.13's manual_seed only).
+    own_modules = {name for p in builtin_patches() for name in p.modules}
+    for e in refused:
+        got = patched[e["name"]]
+        assert str(got).startswith("ImportError") or (e["name"] in own_modules and not got["same_module"]), e["name"]
+
+
+def test_relocation_patch_is_inactive_before_2_1():
+    rows = {r["id"]: r for r in json.loads(subprocess.run(
+        [sys.executable, "-m", "torchpatch", "list", "--json"], capture_output=True, text=True, env=clean_env()).stdout)}
+    assert rows["relocations"]["applies"] is torch_matches(">=2.1")
