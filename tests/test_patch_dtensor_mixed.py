@@ -216,11 +216,14 @@ from torch.distributed.tensor.experimental._attention import context_parallel_un
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 torch.manual_seed(0)
 q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64) for _ in range(3))
+# The one-process references first: torch 2.9's context_parallel leaves its SDPA wrapper installed
+# when the block raises (no try/finally), which would turn a later plain call into a sharded one.
+refs = {causal: F.scaled_dot_product_attention(q, k, v, is_causal=causal) for causal in (False, True)}
 out = {}
 for balance in (True, False):
     cp_attention._cp_options.enable_load_balance = balance
     for causal in (False, True):
-        ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        ref = refs[causal]
         qq, kk, vv = q.clone(), k.clone(), v.clone()
         key = f"balance={balance},causal={causal}"
         try:
@@ -246,9 +249,15 @@ def test_context_parallel_on_cpu(tmp_path):
     for balance in (True, False):
         assert "does not have a sharding strategy registered" in native[f"balance={balance},causal=True"], native
     patched = rank_result(run_ranks(CONTEXT_PARALLEL, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path))
-    assert patched["balance=True,causal=False"] == native["balance=True,causal=False"]  # torch runs it itself
     assert patched["balance=False,causal=False"] == [[1, 2, 4, 4], True]
     assert patched["balance=False,causal=True"] == [[1, 2, 4, 4], True]  # contiguous shards: exact
-    refused = patched["balance=True,causal=True"]  # reordered shards: refused, never wrong
-    assert refused.startswith("RuntimeError: torchpatch (dtensor-op-fallback): aten._scaled_dot_product"), refused
-    assert "enable_load_balance = False" in refused
+    refusals = ["balance=True,causal=True"]  # reordered shards: refused, never wrong
+    if isinstance(native["balance=True,causal=False"], list):  # torch 2.13 runs this one itself
+        assert patched["balance=True,causal=False"] == native["balance=True,causal=False"]
+    else:  # torch 2.9 has no strategy for it either: refused like the causal case
+        assert "does not have a sharding strategy registered" in native["balance=True,causal=False"], native
+        refusals.append("balance=True,causal=False")
+    for key in refusals:
+        refused = patched[key]
+        assert refused.startswith("RuntimeError: torchpatch (dtensor-op-fallback): aten._scaled_dot_product"), refused
+        assert "enable_load_balance = False" in refused

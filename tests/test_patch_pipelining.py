@@ -240,7 +240,9 @@ def test_pipeline_equals_one_process(tmp_path, nproc, configs):
         check_equal_to_one_process([{config: r[config]} for r in ranks], "backport", exact)
 
 
-@only_torch(">=2.5", "torch's own pipelining with scale_grads and the relaxed Interleaved 1F1B")
+@only_torch(">=2.10", "the reference: torch's own pipelining with scale_grads and the relaxed Interleaved "
+            "1F1B, working on gloo (torch 2.9.0's stage handshake sends int64 into a float32 receive, "
+            "which gloo aborts on: pytorch/pytorch#165539, fixed after 2.9)")
 def test_backport_agrees_with_native(tmp_path):
     configs = [["GPipe", 1, 4, True], ["1F1B", 1, 4, False], ["Interleaved1F1B", 2, 4, True]]
     ranks = equality_run(tmp_path, 2, configs, BOTH_LIBS, clean_env())
