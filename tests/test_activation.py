@@ -1,8 +1,10 @@
 """Activation: the start-up hook, on/off parsing, explicit install(), idempotence, zero cost off."""
 
+import json
+
 import pytest
 
-from conftest import REPO, clean_env, run_json, run_py
+from conftest import REPO, TORCH, clean_env, run_json, run_py
 
 STATE = """
 import copy, json, sys
@@ -112,3 +114,28 @@ def test_uninstall_restores_everything():
         env=clean_env(TORCHPATCH="1"),
     )
     assert state == {"before": True, "after": False, "finders": [], "installed": False}
+
+
+def test_activation_imports_only_the_patches_that_apply_here():
+    """install() imports the catalogue modules whose patches can apply to this torch and Python (the
+    index says which), not the others; flags may still name a patch left out, without a warning."""
+    from torchpatch._registry import catalogue_index
+    from torchpatch._versions import matches, python_version
+
+    index = catalogue_index()
+    here = sorted(m for m, declared in index.items()
+                  if any(matches(t, TORCH) and (not py or matches(py, python_version())) for t, py in declared.values()))
+    left_out = sorted(i for m, declared in index.items() if m not in here for i in declared)
+    assert here and left_out  # every matrix torch has both
+    code = """
+        import json, sys
+        loaded = sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("torchpatch.patches.") and "._" not in m)
+        print(json.dumps(loaded))
+    """
+    proc = run_py(code, env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE=left_out[0],
+                                      **{"TORCHPATCH_" + left_out[-1].upper().replace("-", "_"): "0"}))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == here
+    assert "unknown" not in proc.stderr, proc.stderr
+    typo = run_py(code, env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE="no-such-patch"))
+    assert "unknown patch id(s) no-such-patch" in typo.stderr and left_out[0] in typo.stderr, typo.stderr

@@ -1,20 +1,31 @@
-"""Generate the README's patch table from the patches' own metadata.
+"""Generate, from the patches' own metadata, the README's patch table and the catalogue's index
+(``patches/_index.json``: each module's patch ids with their torch and Python specifiers, which lets
+activation import only the patch modules that can apply to the installed torch).
 
     python tools/patch_table.py            # print the table
-    python tools/patch_table.py --write    # rewrite it in README.md, between the markers
-    python tools/patch_table.py --check    # exit 1 if README.md is out of date (the tests run this)
+    python tools/patch_table.py --write    # rewrite it in README.md, between the markers, and the index
+    python tools/patch_table.py --check    # exit 1 if either is out of date (the tests run this)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
-from torchpatch._registry import builtin_patches
+from torchpatch._registry import INDEX, _load, builtin_patches, catalogue_modules
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+INDEX_FILE = ROOT / "patches" / INDEX
 BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
+
+
+def index() -> str:
+    rows = [f"  {json.dumps(name)}: {json.dumps({p.id: [p.torch, p.python] for p in _load([name])})}"
+            for name in catalogue_modules()]
+    return "{\n" + ",\n".join(rows) + "\n}\n"
 
 
 def table() -> str:
@@ -43,14 +54,15 @@ def main() -> int:
     if not (args.write or args.check):
         print(table())
         return 0
-    current = README.read_text()
-    wanted = render(current)
+    outputs = {README: render(README.read_text()), INDEX_FILE: index()}
     if args.check:
-        if current != wanted:
-            print("README.md's patch table is out of date: run python tools/patch_table.py --write", file=sys.stderr)
+        stale = [path.name for path, text in outputs.items() if not path.exists() or path.read_text() != text]
+        if stale:
+            print(f"out of date: {', '.join(stale)}: run python tools/patch_table.py --write", file=sys.stderr)
             return 1
         return 0
-    README.write_text(wanted)
+    for path, text in outputs.items():
+        path.write_text(text)
     return 0
 
 

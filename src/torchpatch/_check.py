@@ -280,7 +280,7 @@ class Serving:
 
     @classmethod
     def for_torch(cls, version: str, patches: Sequence[Patch], cfg: Config) -> "Serving":
-        applicability = {p.id: _applicability(p, version) for p in patches}
+        applicability = {p.id: _applicability(p.torch, p.python, version) for p in patches}
         decisions = decide(cfg, patches, inapplicable={i for i, (applies, _) in applicability.items() if not applies})
         out = cls()
         for p in patches:

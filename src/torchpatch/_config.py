@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Collection, Dict, List, Mapping, Optional, Seq
 
 from _torchpatch_startup import parse_flag
 
+from ._patch import switch_name
+
 if TYPE_CHECKING:
     from ._patch import Patch
 
@@ -56,23 +58,26 @@ class Decision:
     firm: bool = False  # named explicitly (TORCHPATCH_<ID>, or by id in TORCHPATCH_DISABLE)
 
 
-def decide(cfg: Config, patches: Sequence[Patch], inapplicable: Collection[str] = ()) -> Dict[str, Decision]:
+def decide(cfg: Config, patches: Sequence[Patch], inapplicable: Collection[str] = (),
+           left_out: Collection[str] = ()) -> Dict[str, Decision]:
     """On/off for every patch with the reason, resolving ``requires`` both ways.
 
     A requirement that does not apply to the installed torch (``inapplicable``) is no requirement
-    there: a patch may need another only on the torch versions where both apply.
+    there: a patch may need another only on the torch versions where both apply. ``left_out``: ids
+    of patches not loaded because they cannot apply here; the flags may still name them.
 
     Precedence: ``TORCHPATCH_<ID>`` beats ``TORCHPATCH_ENABLE`` beats ``TORCHPATCH_DISABLE``.
     Enabling a patch enables what it requires; turning off a required patch turns off its
     dependents (and says so). Unknown ids become warnings naming the valid ids.
     """
     by_id = {p.id: p for p in patches}
-    valid = ", ".join(sorted(by_id))
+    known = set(by_id) | set(left_out)
+    valid = ", ".join(sorted(known))
     for source, ids in (("TORCHPATCH_DISABLE", cfg.disable), ("TORCHPATCH_ENABLE", cfg.enable or [])):
-        unknown = [i for i in ids if i != "*" and i not in by_id]
+        unknown = [i for i in ids if i != "*" and i not in known]
         if unknown:
             cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(unknown)}; valid ids: {valid}")
-    env_names = {p.env_name: p.id for p in patches}
+    env_names = {switch_name(i): i for i in known}
     unknown_switches = [name for name in cfg.switches if name not in env_names]
     if unknown_switches:
         cfg.warnings.append(

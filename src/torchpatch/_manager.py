@@ -16,7 +16,7 @@ from . import _versions
 from ._config import Config, Decision, decide
 from ._hooks import ImportWatcher, ShimFinder, SymbolServer
 from ._patch import Patch, Patcher
-from ._registry import all_patches
+from ._registry import all_patches, applicable_builtin_patches, with_plugins
 
 __version__ = "0.1.0"
 log = logging.getLogger("torchpatch")
@@ -42,23 +42,35 @@ class PatchPlan:
         return self.applies and self.decision.enabled
 
 
-def _applicability(patch: Patch, torch_version: Optional[str]) -> tuple:
+def _applicability(torch: str, python: str, torch_version: Optional[str]) -> Tuple[bool, str]:
+    """Whether a patch for ``torch`` (and ``python``) specifiers applies here, and why."""
     if torch_version is None:
         return False, "torch is not installed"
-    if not _versions.matches(patch.torch, torch_version):
-        return False, f"for torch {patch.torch}"
-    if patch.python and not _versions.matches(patch.python, _versions.python_version()):
-        return False, f"for Python {patch.python}"
-    return True, f"torch {patch.torch}" + (f", Python {patch.python}" if patch.python else "")
+    if not _versions.matches(torch, torch_version):
+        return False, f"for torch {torch}"
+    if python and not _versions.matches(python, _versions.python_version()):
+        return False, f"for Python {python}"
+    return True, f"torch {torch}" + (f", Python {python}" if python else "")
 
 
-def plan(environ: Optional[Mapping[str, str]] = None, cfg: Optional[Config] = None) -> List[PatchPlan]:
-    """Every known patch with its applicability and on/off decision, for the installed torch."""
+def plan(environ: Optional[Mapping[str, str]] = None, cfg: Optional[Config] = None, *,
+         only_applicable: bool = False) -> List[PatchPlan]:
+    """Every known patch with its applicability and on/off decision, for the installed torch.
+
+    ``only_applicable`` (what :func:`install` uses): built-in patches that cannot apply to the
+    installed torch and Python are left out, their modules not even imported (the catalogue's
+    index says which); the flags may still name them.
+    """
     cfg = cfg or Config.from_environ(os.environ if environ is None else environ)
-    patches = all_patches(cfg.strict)
     version = _versions.torch_version()
-    applicability = {p.id: _applicability(p, version) for p in patches}
-    decisions = decide(cfg, patches, inapplicable={i for i, (applies, _) in applicability.items() if not applies})
+    if only_applicable:
+        builtin, left_out = applicable_builtin_patches(lambda torch, python: _applicability(torch, python, version)[0])
+        patches = with_plugins(builtin, cfg.strict, taken=left_out)
+    else:
+        patches, left_out = all_patches(cfg.strict), []
+    applicability = {p.id: _applicability(p.torch, p.python, version) for p in patches}
+    inapplicable = {i for i, (applies, _) in applicability.items() if not applies}
+    decisions = decide(cfg, patches, inapplicable.union(left_out), left_out)
     return [PatchPlan(p, *applicability[p.id], decisions[p.id]) for p in patches]
 
 
@@ -269,7 +281,7 @@ def install(environ: Optional[Mapping[str, str]] = None) -> None:
             return
         cfg = Config.from_environ(os.environ if environ is None else environ)
         _configure_logging(cfg.log_level)
-        plans = plan(cfg=cfg)
+        plans = plan(cfg=cfg, only_applicable=True)
         for warning in cfg.warnings:
             log.warning("%s", warning)
         inst = _Installation(cfg, plans)

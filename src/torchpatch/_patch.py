@@ -17,6 +17,11 @@ SymbolFactory = Callable[[], Any]
 ImportHook = Callable[["Patcher", ModuleType], Optional[bool]]
 
 
+def switch_name(patch_id: str) -> str:
+    """The per-patch switch: ``TORCHPATCH_<ID>``, id upper-cased, ``-`` → ``_``."""
+    return "TORCHPATCH_" + patch_id.upper().replace("-", "_")
+
+
 class Patcher:
     """Changes a behaviour patch makes to live objects, recorded so that each can be undone.
 
@@ -99,8 +104,7 @@ class Patch:
 
     @property
     def env_name(self) -> str:
-        """The per-patch switch: ``TORCHPATCH_<ID>``, id upper-cased, ``-`` → ``_``."""
-        return "TORCHPATCH_" + self.id.upper().replace("-", "_")
+        return switch_name(self.id)
 
     @property
     def provides(self) -> List[str]:

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import importlib
+import json
 import logging
+import os
 import pkgutil
 import sys
 from types import ModuleType
-from typing import Iterable, List
+from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
 from ._patch import Patch
 
 ENTRY_POINT_GROUP = "torchpatch.patches"
+INDEX = "_index.json"  # in the catalogue: module -> {patch id: [torch specifier, python specifier]}
 log = logging.getLogger("torchpatch")
 
 
@@ -30,16 +33,48 @@ def _patches_in(obj: object) -> List[Patch]:
     raise TypeError(f"not a torchpatch Patch: {obj!r}")
 
 
-def builtin_patches() -> List[Patch]:
+def catalogue_modules() -> List[str]:
+    """The names of the catalogue's patch modules (``torchpatch.patches.<name>``), sorted."""
     from . import patches as catalogue
 
-    found: List[Patch] = []
-    for info in sorted(pkgutil.iter_modules(catalogue.__path__), key=lambda m: m.name):
-        if info.name.startswith("_"):
-            continue
-        module = importlib.import_module(f"{catalogue.__name__}.{info.name}")
-        found += _patches_in(module)
-    return found
+    return sorted(m.name for m in pkgutil.iter_modules(catalogue.__path__) if not m.name.startswith("_"))
+
+
+def _load(names: Iterable[str]) -> List[Patch]:
+    return [p for name in names for p in _patches_in(importlib.import_module(f"{__package__}.patches.{name}"))]
+
+
+def builtin_patches() -> List[Patch]:
+    """Every patch of the catalogue (imports every patch module)."""
+    return _load(catalogue_modules())
+
+
+def catalogue_index() -> Dict[str, Dict[str, List[str]]]:
+    """Module name -> {patch id: [torch specifier, python specifier]}, as ``tools/patch_table.py
+    --write`` recorded it from the modules (a test keeps the two in step); empty if absent."""
+    from . import patches as catalogue
+
+    try:
+        with open(os.path.join(catalogue.__path__[0], INDEX), encoding="utf-8") as f:
+            return json.load(f)
+    except OSError:
+        return {}
+
+
+def applicable_builtin_patches(applies: Callable[[str, str], bool]) -> Tuple[List[Patch], List[str]]:
+    """The catalogue's patches, importing only the modules that declare a patch for which
+    ``applies(torch_specifier, python_specifier)`` holds, and the ids of the patches left out.
+    A module the index does not know (a patch added since the index was written) is imported."""
+    index = catalogue_index()
+    names: List[str] = []
+    skipped: List[str] = []
+    for name in catalogue_modules():
+        declared = index.get(name)
+        if declared and not any(applies(torch, python) for torch, python in declared.values()):
+            skipped += declared
+        else:
+            names.append(name)
+    return _load(names), skipped
 
 
 def _entry_points() -> Iterable[object]:
@@ -64,9 +99,15 @@ def plugin_patches(strict: bool = False) -> List[Patch]:
 
 
 def all_patches(strict: bool = False) -> List[Patch]:
-    """Built-in then third-party patches; a duplicate id is an error in the plugin, not ours."""
-    patches = builtin_patches()
-    seen = {p.id for p in patches}
+    """Built-in then third-party patches."""
+    return with_plugins(builtin_patches(), strict)
+
+
+def with_plugins(builtin: List[Patch], strict: bool = False, taken: Sequence[str] = ()) -> List[Patch]:
+    """``builtin`` then third-party patches; a plugin reusing an id (of ``builtin`` or ``taken``)
+    is an error in the plugin, not ours."""
+    patches = list(builtin)
+    seen = {p.id for p in patches} | set(taken)
     for p in plugin_patches(strict):
         if p.id in seen:
             log.warning("ignoring third-party patch %r: the id is already taken", p.id)
