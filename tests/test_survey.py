@@ -109,10 +109,9 @@ EXPECTED: Dict[str, Dict[str, List[Fails]]] = {
     "2.4": {
         "titan2406": [],
         "titan2502": [
-            Fails("*", cannot_import("DTensor", "torch.distributed.tensor"),
-                  cannot_import("ScheduleZBVZeroBubble", "torch.distributed.pipelining.schedules"),
-                  "dtensor-public and pipelining-schedules serve the public DTensor API and get_schedule_class; "
-                  "the zero-bubble V schedule and the CSV schedule runtime (torch 2.5/2.6) are not backportable"),
+            Fails("*", cannot_import("DTensor", "torch.distributed.tensor"), None,
+                  "dtensor-public, pipelining-schedules and pipelining-zbv serve the public DTensor API, "
+                  "get_schedule_class, the zero-bubble V schedule and the action-list schedule runtime"),
         ],
         "opendit": [],
         "opensora": [],
@@ -222,8 +221,9 @@ NOT_BACKPORTABLE = [
     ("<2.4", "from torch.distributed._composable.fsdp import fully_shard"),
     ("<2.1", "import torch.distributed.pipelining"),  # the pipelining patch serves it on 2.1-2.3
     ("<2.5", "from torch.distributed.tensor.experimental import context_parallel"),
-    ("<2.5", "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"),
-    ("<2.5", "from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble"),
+    # pipelining-zbv serves these two on 2.4; the 2.1-2.3 backport does not.
+    ("<2.4", "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime"),
+    ("<2.4", "from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble"),
 ]
 
 
