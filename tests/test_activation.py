@@ -119,6 +119,7 @@ def test_uninstall_restores_everything():
 def test_activation_imports_only_the_patches_that_apply_here():
     """install() imports the catalogue modules whose patches can apply to this torch and Python (the
     index says which), not the others; flags may still name a patch left out, without a warning."""
+    from torchpatch._patch import switch_name
     from torchpatch._registry import catalogue_index
     from torchpatch._versions import matches, python_version
 
@@ -133,7 +134,7 @@ def test_activation_imports_only_the_patches_that_apply_here():
         print(json.dumps(loaded))
     """
     proc = run_py(code, env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE=left_out[0],
-                                      **{"TORCHPATCH_" + left_out[-1].upper().replace("-", "_"): "0"}))
+                                      **{switch_name(left_out[-1]): "0"}))
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == here
     assert "unknown" not in proc.stderr, proc.stderr
