@@ -24,8 +24,9 @@ Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineSc
                number of microbatches after a step. Communication actions in a ``compute_comms`` action
                list (``SEND_F``, ``RECV_B``, ...) are skipped, the runtime posts its own; FSDP's
                ``UNSHARD``/``RESHARD`` raise ``NotImplementedError``.
-Upstream:      https://github.com/pytorch/pytorch/pull/133054 (ZB-V schedule);
-               https://github.com/pytorch/pytorch/pull/130378 (_PipelineScheduleRuntime)
+Upstream:      https://github.com/pytorch/pytorch/pull/142084 (ZB-V schedule, torch 2.6);
+               https://github.com/pytorch/pytorch/pull/130488 (_PipelineScheduleRuntime);
+               https://github.com/pytorch/pytorch/pull/131762 (split dI/dW, same-rank V handoff)
 """
 
 import csv
@@ -39,7 +40,7 @@ PATCH = Patch(
     summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble and _PipelineScheduleRuntime "
     "(action-list runtime, V placement) on torch 2.4",
     torch=">=2.4,<2.5",
-    upstream="https://github.com/pytorch/pytorch/pull/133054",
+    upstream="https://github.com/pytorch/pytorch/pull/142084",
 )
 
 SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -159,7 +160,7 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
         def _validate(self, order: Dict[int, List[Optional[_Action]]]) -> None:
             """Every stage runs on its rank, forward and backward once per microbatch."""
             n = self._n_microbatches
-            seen: Dict[tuple, int] = {}
+            seen: List[tuple] = []  # (stage, "F" or "B", microbatch) of every action
             for rank, ops in order.items():
                 for a in ops:
                     if a is None:
@@ -168,11 +169,10 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
                         raise ValueError(f"action {a} is on rank {rank}, but stage {a.stage_index} is placed on "
                                          f"rank {self.stage_index_to_group_rank.get(a.stage_index)}")
                     kind = "B" if a.computation_type in ("B", "I") else a.computation_type
-                    key = (a.stage_index, kind, a.microbatch_index)
-                    seen[key] = seen.get(key, 0) + 1
+                    seen.append((a.stage_index, kind, a.microbatch_index))
             for stage in range(self._num_stages):
                 for kind in ("F", "B") if self._has_backward else ("F",):
-                    got = sorted(mb for (s, k, mb), c in seen.items() if s == stage and k == kind for _ in range(c))
+                    got = sorted(mb for s, k, mb in seen if s == stage and k == kind)
                     if got != list(range(n)):
                         raise ValueError(f"the schedule must run stage {stage}'s {kind} once for each of the "
                                          f"{n} microbatches, got microbatches {got}")
