@@ -82,7 +82,7 @@ def test_alias_on_113_is_the_shard_package():
 # the checkpoint, must hold exactly the saved tensors, and its second step must equal the
 # uninterrupted one.
 ROUND_TRIP = """
-import copy, datetime, json, sys, warnings, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, json, os, sys, warnings, torch, torch.distributed as dist, torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -160,9 +160,11 @@ mine = {"restored": restored, "empty_off_rank0": (msd == {} and osd == {}) == (r
 out = [None, None]
 dist.all_gather_object(out, mine)
 if rank == 0:
-    print(RESULT + json.dumps(out))
+    print(RESULT + json.dumps(out), flush=True)
+# torch 2.1/2.4 gloo teardown can hang in destroy_process_group() even after a barrier (see
+# test_patch_dtensor_partial): meet at a barrier, then leave without the teardown.
 dist.barrier()
-dist.destroy_process_group()
+os._exit(0)
 """.replace("RESULT", repr(RESULT))
 
 
