@@ -5,9 +5,9 @@ all_reduce and drops its handle, so gloo's worker will hold the last reference t
 then does rank 1 join (it waits for a store key), and rank 0 keeps the GIL (pure Python, numpy reads
 of the result, a long switch interval) from before the collective completes until the script ends:
 the worker finishes the collective, then waits for the GIL to release the tensor, and Python
-finalises under it. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off): writing it
-at exit releases the GIL too, and would hide whether the patch is what helps. The tensor is still alive in Python: the common form of the race, which needs
-the GIL only from torch 2.10 on.
+finalises under it. The tensor is still alive in Python: the common form of the race, which needs
+the GIL only from torch 2.10 on. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off):
+writing it at exit releases the GIL too, and would hide whether the patch is what helps.
 """
 
 import signal
