@@ -6,7 +6,10 @@ from every rank's deterministic input). The script is torch-agnostic: on torch 2
 torch's native ops, which checks the references and the served ops' semantics against torch.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks,
+    torch_matches
+)
 
 SCHEMAS_2_4 = {  # torch 2.4.1's, read with torch.ops._c10d_functional.<op>.default._schema
     "all_gather_into_tensor": "(Tensor input, int group_size, str group_name) -> Tensor",
@@ -25,7 +28,7 @@ SCHEMAS_2_4 = {  # torch 2.4.1's, read with torch.ops._c10d_functional.<op>.defa
 }
 
 SCRIPT = r"""
-import datetime, json, os, torch, torch.distributed as dist
+import datetime, json, torch, torch.distributed as dist
 import torch.distributed._functional_collectives  # torch 2.13 registers the ops' Meta kernels there
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 me, G = dist.get_rank(), dist.get_world_size()
@@ -178,9 +181,7 @@ every = [None] * G
 dist.all_gather_object(every, result)
 if me == 0:
     print(RESULT + json.dumps(dict(result, every_rank=every)), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.1/2.4 gloo can hang in destroy_process_group
-""".replace("RESULT", repr(RESULT)).replace("%(names)r", repr(sorted(SCHEMAS_2_4)))
+""".replace("RESULT", repr(RESULT)).replace("%(names)r", repr(sorted(SCHEMAS_2_4))) + LEAVE_WITHOUT_TEARDOWN
 
 EXPECTED_CHECKS = {
     "all_reduce_sum", "all_reduce_max", "all_reduce_min", "all_reduce_product", "all_reduce_band", "all_reduce_bor",

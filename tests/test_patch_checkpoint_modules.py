@@ -2,7 +2,7 @@
 state_dict / stateful modules and dcp.save/load, checked by a 2-rank save/load round trip whose
 resumed training equals an uninterrupted run, and against torch's own implementation on >= 2.2."""
 
-from conftest import RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks
 
 NATIVE = """
 import json, torch, torch.distributed
@@ -82,7 +82,7 @@ def test_alias_on_113_is_the_shard_package():
 # the checkpoint, must hold exactly the saved tensors, and its second step must equal the
 # uninterrupted one.
 ROUND_TRIP = """
-import copy, datetime, json, os, sys, warnings, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, json, sys, warnings, torch, torch.distributed as dist, torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_model_state_dict,
@@ -161,11 +161,7 @@ out = [None, None]
 dist.all_gather_object(out, mine)
 if rank == 0:
     print(RESULT + json.dumps(out), flush=True)
-# torch 2.1/2.4 gloo teardown can hang in destroy_process_group() even after a barrier (see
-# test_patch_dtensor_partial): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.0,<2.2")

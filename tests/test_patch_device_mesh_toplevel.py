@@ -2,12 +2,12 @@
 the objects of ``torch.distributed._tensor.device_mesh``; nothing on 1.13 (no DeviceMesh there);
 torch's own from 2.2 on. The 2-rank script is the same on 2.1 (served) and on 2.4/2.13 (native)."""
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
 
 IMPORT = "from torch.distributed import DeviceMesh"
 
 SCRIPT = r"""
-import datetime, json, os, torch, torch.distributed as dist
+import datetime, json, torch, torch.distributed as dist
 from torch.distributed import DeviceMesh, init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -34,9 +34,7 @@ if rank == 0:
     out["coordinates"] = [g.pop("coordinate") for g in gathered]
     out.pop("coordinate")
     print(RESULT + json.dumps(dict(out, ranks_agree=all(g == gathered[0] for g in gathered[1:]))), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.1/2.4 gloo can hang in destroy_process_group
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 def run(tmp_path):

@@ -7,10 +7,13 @@ backported) and 2.4 (torch's own private package under the public name); on 2.9/
 own. Every result is checked against the same computation on the global tensors, on one process.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
+    torch_matches
+)
 
 SCRIPT = """
-import json, os, sys, torch, torch.distributed as dist
+import json, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 import torch.distributed._tensor as dtensor
@@ -114,11 +117,7 @@ results = [None] * world
 dist.all_gather_object(results, out)
 if rank == 0:
     print(RESULT + json.dumps({"ranks_agree": all(r == results[0] for r in results), **results[0]}), flush=True)
-# torch 2.4.1's gloo teardown can hang in destroy_process_group() on one rank (seen here with and
-# without torchpatch, even after a barrier): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 MIXED = "got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor"
 EXPECTED_CHECKS = {

@@ -5,10 +5,13 @@ Every value is compared with the same computation on the global tensors, on one 
 rank script runs natively (the failures users see) and with TORCHPATCH=1.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
+    torch_matches
+)
 
 SCRIPT = """
-import json, math, os, warnings, torch, torch.distributed as dist
+import json, math, warnings, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 from torch.distributed._tensor import DeviceMesh, Replicate, Shard, distribute_tensor
@@ -105,9 +108,7 @@ gathered = [None] * world
 dist.all_gather_object(gathered, out)
 if rank == 0:
     print(RESULT + json.dumps(dict(out, ranks_agree=all(g == out for g in gathered[1:]))), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.1/2.4 gloo can hang in destroy_process_group
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 MIXED = "got mixed torch.Tensor and DTensor"
 NO_STRATEGY = "NotImplementedError: Operator tpmix.fused_attn.default does not have a sharding strategy registered."
@@ -206,7 +207,7 @@ def test_implicit_replication_opt_out(tmp_path):
 
 
 CONTEXT_PARALLEL = """
-import json, os, torch, torch.distributed as dist, torch.nn.functional as F
+import json, torch, torch.distributed as dist, torch.nn.functional as F
 dist.init_process_group("gloo")
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
@@ -235,9 +236,7 @@ for balance in (True, False):
             out[key] = f"{type(exc).__name__}: {exc}"
 if dist.get_rank() == 0:
     print(RESULT + json.dumps(out), flush=True)
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.9", "context_parallel with load balancing on CPU (torch 2.9+)")

@@ -4,7 +4,10 @@ The same rank script runs on every torch >= 2.1 (torchpatch's ``Partial`` on 2.1
 2.4) and checks each reduction against the one computed on one process from every rank's input.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
+    torch_matches
+)
 
 SCRIPT = """
 import copy, importlib, json, os, pickle, torch, torch.distributed as dist, torchpatch
@@ -69,11 +72,7 @@ out = {
 }
 if rank == 0:
     print(RESULT + json.dumps(out), flush=True)
-# torch 2.4.1's gloo teardown can hang in destroy_process_group() (2 of 16 runs here even after a
-# barrier; a CI run timed out on it): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.1,<2.4", "torch 2.4 renamed _Partial to Partial")

@@ -4,10 +4,13 @@ The same rank script runs on every torch >= 2.1: served by torchpatch on 2.1 and
 API on 2.9 and 2.13, and every value is checked against a reference computed on one process.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
+    torch_matches
+)
 
 SCRIPT = """
-import contextlib, importlib, json, os, torch, torch.distributed as dist, torch.nn as nn
+import contextlib, importlib, json, torch, torch.distributed as dist, torch.nn as nn
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 from torch.distributed.tensor import (
@@ -91,11 +94,7 @@ out["status"] = {k: v for k, v in torchpatch.status().items() if k in ("dtensor-
 out["full_tensor_module"] = DTensor.full_tensor.__module__
 if rank == 0:
     print(RESULT + json.dumps(out), flush=True)
-# torch 2.1/2.4 gloo teardown can hang in destroy_process_group() even after a barrier (see
-# test_patch_dtensor_partial): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.1,<2.5", "torch.distributed.tensor holds only `parallel` before 2.5")

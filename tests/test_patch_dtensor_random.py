@@ -2,7 +2,10 @@
 2.13's semantics (a warning and nothing else on a CPU mesh, as torch 2.13 does; per-rank seeds
 without a collective; an error for a rank outside the mesh), on 2 ranks."""
 
-from conftest import RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json,
+    run_ranks, torch_matches
+)
 
 NATIVE = """
 import json, torch, torch.distributed.tensor as pkg
@@ -33,7 +36,7 @@ CPU_WARNINGS = ["DTensor random operators may not have complete support on cpu d
 # manual_seed only records seeds, it draws nothing) each rank seeds its own value, as pipeline
 # stages do, without a collective; torch 2.1-2.4's own manual_seed rejects differing seeds.
 RANKS = """
-import datetime, json, os, types, warnings, torch, torch.distributed as dist, torchpatch
+import datetime, json, types, warnings, torch, torch.distributed as dist, torchpatch
 import torch.distributed.tensor as pkg
 from torch.distributed._tensor import DeviceMesh
 from torch.distributed._tensor import random as old
@@ -78,11 +81,7 @@ gathered = [None, None]
 dist.all_gather_object(gathered, out)
 if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
-# torch 2.1/2.4 gloo teardown can hang in destroy_process_group() even after a barrier (see
-# test_patch_dtensor_partial): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.1,<2.5")

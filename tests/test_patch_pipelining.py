@@ -18,7 +18,10 @@ from typing import List
 
 import pytest
 
-from conftest import RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_py,
+    run_ranks
+)
 
 SERVED = ">=2.1,<2.4"
 
@@ -27,7 +30,7 @@ SERVED = ">=2.1,<2.4"
 # by microbatch with one backward each; then through each pipeline library in LIBS, two steps (zero
 # grad between), then eval(). Rank 0 prints what every rank found.
 EQUALITY = """
-import copy, datetime, json, os, sys, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, json, sys, torch, torch.distributed as dist, torch.nn as nn
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, W = dist.get_rank(), dist.get_world_size()
 D, BATCH = 8, 16
@@ -121,9 +124,7 @@ gathered = [None] * W
 dist.all_gather_object(gathered, results)
 if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.1/2.4 gloo can hang in the process-group teardown after P2P traffic
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 SERVED_LIBS = "{'backport': __import__('torch.distributed.pipelining', fromlist=['x'])}"
 BOTH_LIBS = ("{'native': __import__('torch.distributed.pipelining', fromlist=['x']), "

@@ -1,7 +1,7 @@
 """pipelining-schedules: ``get_schedule_class`` served on torch 2.4, and the class it returns runs a
 real 2-rank, 2-stage GPipe step equal to the same computation on one process."""
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
 
 IMPORT = "from torch.distributed.pipelining.schedules import get_schedule_class"
 
@@ -112,7 +112,7 @@ def test_not_served_without_pipelining():
 # Two ranks, one stage each, a schedule class looked up by name; every rank also computes the whole
 # model on its own (same seed, same microbatches, one backward per microbatch like the pipeline).
 GPIPE = """
-import copy, datetime, json, os, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, json, torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -150,11 +150,7 @@ gathered = [None, None]
 dist.all_gather_object(gathered, mine)
 if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
-# torch 2.4.1's gloo can hang in destroy_process_group() after P2P traffic (about 1 run in 5 on
-# this machine, with or without torchpatch): meet at a barrier, then leave without the teardown.
-dist.barrier()
-os._exit(0)
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.4,<2.5")

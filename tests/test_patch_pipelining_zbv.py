@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from conftest import RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py,
+    run_ranks
+)
 
 IMPORT = "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, ScheduleZBVZeroBubble"
 
@@ -107,9 +110,7 @@ gathered = [None] * W
 dist.all_gather_object(gathered, results)
 if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.4.1's gloo can hang in the process-group teardown after P2P traffic
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.4,<2.5")

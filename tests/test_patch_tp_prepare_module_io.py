@@ -7,12 +7,12 @@ model on one process. The script is torch-agnostic: on torch 2.13 (and 2.4) it r
 classes, which checks the served ones' semantics against the reference torch.
 """
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
 
 IMPORT = "from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput"
 
 SCRIPT = r"""
-import copy, datetime, json, os, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, json, torch, torch.distributed as dist, torch.nn as nn
 import torch.distributed.tensor.parallel as tp
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,9 +98,7 @@ gathered = [None] * world
 dist.all_gather_object(gathered, out)
 if rank == 0:
     print(RESULT + json.dumps(dict(out, ranks_agree=all(g == out for g in gathered[1:]))), flush=True)
-dist.barrier()
-os._exit(0)  # torch 2.1/2.4 gloo can hang in destroy_process_group
-""".replace("RESULT", repr(RESULT))
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
 def run(tmp_path, **env):
