@@ -3,14 +3,9 @@ PipelineStage and PipelineScheduleMulti. On 2 real ranks (V placement: rank 0 ho
 outputs, per-microbatch losses and every stage's gradients equal the same model on one process; the
 ZB-V order equals torch 2.13's own; on torch 2.13 the patch stays out of the way."""
 
-import json
-
 import pytest
 
-from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py,
-    run_ranks
-)
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
 
 IMPORT = "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, ScheduleZBVZeroBubble"
 

@@ -1,7 +1,5 @@
 """processgroup-deepcopy: EMA by deepcopy of a model that keeps its ProcessGroup, on 2 real ranks."""
 
-import pytest
-
 from conftest import RESULT, clean_env, rank_result, run_ranks
 
 SCRIPT = """

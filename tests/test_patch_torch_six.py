@@ -1,7 +1,5 @@
 """torch-six: ``torch._six`` served on torch >= 2.0; torch 1.13's own module untouched."""
 
-import pytest
-
 from conftest import clean_env, only_torch, run_json, run_py
 
 USE = """
