@@ -70,6 +70,12 @@ def run_json(code: str, **kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# Test scripts that exercise the engine on the demo plugin's fake targets start with this line: the
+# start-up hook activates torchpatch when torch is first looked up (as ``import torch`` does first),
+# and looking it up costs nothing of torch's own import time.
+ARM = "import importlib.util; importlib.util.find_spec('torch')\n"
+
+
 def plugin_env(**extra: Optional[str]) -> Dict[str, str]:
     """An environment that has the demo plugin (fake targets + third-party patches) importable."""
     path = os.pathsep.join([str(PLUGIN)] + [p for p in [os.environ.get("PYTHONPATH")] if p])

@@ -20,7 +20,10 @@ print(json.dumps({
 @pytest.mark.parametrize("value", [None, "0", "false", "No", "OFF", ""])
 def test_off_means_nothing_at_all(value):
     state = run_json(STATE, env=clean_env(TORCHPATCH=value))
-    assert state == {"modules": [], "finders": [], "deepcopy": "copy.function"}
+    # With the variable set, the .pth line hands its value to the start-up module (the one place
+    # that spells the accepted values); the torchpatch package itself is never imported.
+    assert state == {"modules": [] if value is None else ["_torchpatch_startup"], "finders": [],
+                     "deepcopy": "copy.function"}
 
 
 def test_off_leaves_torch_untouched():
@@ -39,27 +42,44 @@ def test_off_leaves_torch_untouched():
 
 
 @pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
-def test_on_spellings_activate(value):
-    state = run_json(STATE, env=clean_env(TORCHPATCH=value))
-    assert "torchpatch" in state["modules"]
-    assert state["finders"] == ["torchpatch._hooks.ImportWatcher", "torchpatch._hooks.ShimFinder"]
+def test_on_spellings_arm_and_torch_activates(value):
+    code = """
+        import importlib.util, json, sys
+        def state():
+            return {"modules": sorted(m for m in sys.modules if m.startswith(("torchpatch", "_torchpatch"))),
+                    "finders": [type(f).__module__ + "." + type(f).__name__ for f in sys.meta_path
+                                if "torchpatch" in type(f).__module__]}
+        armed = state()
+        importlib.util.find_spec("torch")  # the first step of `import torch`
+        active = state()
+        print(json.dumps({"armed": armed, "active": active, "torch": "torch" in sys.modules}))
+    """
+    out = run_json(code, env=clean_env(TORCHPATCH=value))
+    assert out["armed"] == {"modules": ["_torchpatch_startup"], "finders": ["_torchpatch_startup._FirstTorchImport"]}
+    assert "torchpatch" in out["active"]["modules"]
+    assert out["active"]["finders"] == ["torchpatch._hooks.ImportWatcher", "torchpatch._hooks.ShimFinder"]
+    assert out["torch"] is False  # activation itself imports nothing of torch
 
 
-def test_unknown_value_warns_once_and_stays_off():
-    proc = run_py(STATE, env=clean_env(TORCHPATCH="maybe"))
+@pytest.mark.parametrize("log", [None, "off"])
+def test_unknown_value_warns_once_and_stays_off(log):
+    proc = run_py(STATE, env=clean_env(TORCHPATCH="maybe", TORCHPATCH_LOG=log))
     assert proc.returncode == 0
     warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH" in line]
-    assert len(warnings) == 1, proc.stderr
-    assert "TORCHPATCH='maybe'" in warnings[0] and "1/true/yes/on" in warnings[0] and "0/false/no/off" in warnings[0]
+    if log == "off":
+        assert proc.stderr == ""
+    else:
+        assert len(warnings) == 1, proc.stderr
+        assert "TORCHPATCH='maybe'" in warnings[0] and "1/true/yes/on" in warnings[0] and "0/false/no/off" in warnings[0]
     assert '"modules": ["_torchpatch_startup"], "finders": []' in proc.stdout  # not the package
 
 
-def test_activation_does_not_import_torch():
-    state = run_json(
-        "import json, sys; print(json.dumps({'torch': 'torch' in sys.modules, 'tp': 'torchpatch' in sys.modules}))",
-        env=clean_env(TORCHPATCH="1"),
-    )
-    assert state == {"torch": False, "tp": True}
+def test_process_that_never_imports_torch_loads_nothing_of_torchpatch():
+    code = "import json, sys; print(json.dumps(sorted(m for m in sys.modules if 'torchpatch' in m)))"
+    assert run_json(code, env=clean_env(TORCHPATCH="1")) == ["_torchpatch_startup"]
+    code = "import json, torch, torchpatch; print(json.dumps([torchpatch.is_installed(), len(torchpatch.status())]))"
+    installed, armed = run_json(code, env=clean_env(TORCHPATCH="1"))
+    assert installed and armed > 0
 
 
 def test_explicit_install_ignores_the_variable_but_not_the_opt_outs():
@@ -129,7 +149,8 @@ def test_activation_imports_only_the_patches_that_apply_here():
     left_out = sorted(i for m, declared in index.items() if m not in here for i in declared)
     assert here and left_out  # every matrix torch has both
     code = """
-        import json, sys
+        import importlib.util, json, sys
+        importlib.util.find_spec("torch")
         loaded = sorted(m.rsplit(".", 1)[1] for m in sys.modules if m.startswith("torchpatch.patches.") and "._" not in m)
         print(json.dumps(loaded))
     """

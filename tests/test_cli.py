@@ -90,7 +90,8 @@ def test_sitecustomize_example_chains_when_off(tmp_path):
     other.mkdir()
     (boot / "sitecustomize.py").write_text((REPO / "sitecustomize_example.py").read_text())
     (other / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_CHAINED = True\n")
-    code = "import builtins, sys; print(getattr(builtins, 'SITE_CHAINED', False), 'torchpatch' in sys.modules)"
+    code = ("import builtins, sys; startup = sys.modules.get('_torchpatch_startup'); "
+            "print(getattr(builtins, 'SITE_CHAINED', False), bool(startup and startup.pending()))")
     off = run_py(code, env=clean_env(PYTHONPATH=f"{boot}:{other}"))
     on = run_py(code, env=clean_env(PYTHONPATH=f"{boot}:{other}", TORCHPATCH="1"))
     assert off.stdout.split() == ["True", "False"], off.stderr

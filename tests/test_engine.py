@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from conftest import plugin_env, run_json, run_py
+from conftest import ARM, plugin_env, run_json, run_py
 
-PROBE = """
+PROBE = ARM + """
 import json, importlib, torchpatch
 out = {}
 def attempt(key, fn):
@@ -80,7 +80,7 @@ def test_every_mechanism_with_torchpatch():
 
 
 def test_strict_turns_a_failing_patch_into_an_error():
-    proc = run_py("import tp_target.broken_target", env=plugin_env(TORCHPATCH="1", TORCHPATCH_STRICT="1"))
+    proc = run_py(ARM + "import tp_target.broken_target", env=plugin_env(TORCHPATCH="1", TORCHPATCH_STRICT="1"))
     assert proc.returncode != 0
     assert "torchpatch.PatchError" in proc.stderr or "PatchError" in proc.stderr
     assert "demo-broken failed while applying to tp_target.broken_target" in proc.stderr
@@ -89,6 +89,7 @@ def test_strict_turns_a_failing_patch_into_an_error():
 def test_uninstall_takes_back_shims_symbols_and_wrappers():
     out = run_json(
         """
+        import importlib.util; importlib.util.find_spec("torch")
         import json, sys, torchpatch, tp_target, tp_target.missing
         original = tp_target.greet.__wrapped__
         served = tp_target.Served
@@ -110,7 +111,7 @@ def test_uninstall_takes_back_shims_symbols_and_wrappers():
     assert out == {"greet": True, "served": False, "getattr": False, "shim": "gone"}
 
 
-STATUS = "import json, torchpatch, tp_target; print(json.dumps(torchpatch.status()))"
+STATUS = ARM + "import json, torchpatch, tp_target; print(json.dumps(torchpatch.status()))"
 
 
 @pytest.mark.parametrize(
@@ -162,7 +163,9 @@ def test_summary_line_on_rank_zero_only():
 
 
 def test_no_summary_in_processes_that_never_import_torch():
-    assert run_py("import tp_target.missing", env=plugin_env(TORCHPATCH="1")).stderr == ""
+    proc = run_py(ARM + "import sys, torchpatch, tp_target.missing; print(torchpatch.status()['demo-shim'])",
+                  env=plugin_env(TORCHPATCH="1"))
+    assert proc.stdout.strip() == "applied" and proc.stderr == ""
 
 
 @pytest.mark.parametrize("level, debug_lines, summary_lines", [("off", 0, 0), ("warning", 0, 0), ("info", 0, 1), ("debug", 4, 1)])

@@ -42,6 +42,7 @@ def test_pep_829_start_entry_point_is_inert_when_off():
     code = f"""
         import json, pkgutil, sys
         pkgutil.resolve_name({start!r})()
+        import importlib.util; importlib.util.find_spec("torch")  # the first step of `import torch`
         print(json.dumps(sorted(m for m in sys.modules if m == "torchpatch" or m.startswith("torchpatch."))))
     """
     assert run_json(code, env=clean_env()) == []

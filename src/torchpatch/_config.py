@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Collection, Dict, List, Mapping, Optional, Sequence
 
-from _torchpatch_startup import parse_flag
+from _torchpatch_startup import flag_warning, parse_flag
 
 from ._patch import switch_name
 
@@ -37,7 +37,12 @@ class Config:
         cfg = cls(disable=_id_list(environ.get("TORCHPATCH_DISABLE")))
         if "TORCHPATCH_ENABLE" in environ:
             cfg.enable = _id_list(environ["TORCHPATCH_ENABLE"])
-        cfg.strict = bool(parse_flag("TORCHPATCH_STRICT", environ.get("TORCHPATCH_STRICT", "0")))
+            if not cfg.enable:
+                cfg.warnings.append(
+                    "TORCHPATCH_ENABLE is set but names no patch, so every patch is off; unset it to "
+                    "use the catalogue, or name ids (TORCHPATCH_ENABLE=a,b; '*' for all)"
+                )
+        cfg.strict = cfg._flag("TORCHPATCH_STRICT", environ.get("TORCHPATCH_STRICT", "0")) is True
         level = environ.get("TORCHPATCH_LOG", "info").strip().lower()
         if level not in LOG_LEVELS:
             cfg.warnings.append(f"ignoring TORCHPATCH_LOG={level!r}: use one of {', '.join(LOG_LEVELS)}")
@@ -45,10 +50,17 @@ class Config:
         cfg.log_level = level
         for name, value in environ.items():
             if name.startswith("TORCHPATCH_") and name not in RESERVED:
-                flag = parse_flag(name, value)
+                flag = cfg._flag(name, value)
                 if flag is not None:
                     cfg.switches[name] = flag
         return cfg
+
+    def _flag(self, name: str, value: str) -> Optional[bool]:
+        """``parse_flag``, with a warning (logged later, under TORCHPATCH_LOG) for a bad value."""
+        flag = parse_flag(value)
+        if flag is None:
+            self.warnings.append(flag_warning(name, value))
+        return flag
 
 
 @dataclass

@@ -5,8 +5,11 @@
   module's code executes. Any other name costs one ``dict`` lookup.
 - :class:`ShimFinder`, last on ``sys.meta_path``: serves a shim module for a name that no other
   finder found, so it can never shadow a module that exists.
-- :class:`SymbolServer`: serves missing attributes of a module through a chained module-level
-  ``__getattr__`` (PEP 562), which Python calls only for names the module does not have.
+
+Every module the shim finder serves is reported, with the action that takes it back, to the
+``record`` it was registered with (see ``_record``): its ``sys.modules`` entry, the attribute
+importlib sets on its parent package, an alias package's registration and the children served under
+it. A real module served under another name keeps its own ``__spec__`` and ``__loader__``.
 
 The finders and loaders implement the import protocols without deriving from ``importlib.abc``,
 whose import alone costs milliseconds at every start-up.
@@ -20,6 +23,8 @@ import threading
 from importlib.machinery import ModuleSpec
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ._record import Record
 
 ModuleCallback = Callable[[ModuleType], None]
 
@@ -35,9 +40,11 @@ class _WatchedLoader:
         return self._loader.create_module(spec)
 
     def exec_module(self, module: ModuleType) -> None:
-        # The module must not keep us as its loader: reload() and introspection see the real one.
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
+        # importlib stamped this wrapper as the module's loader: reload() and introspection must
+        # see the real one. A module that already had a loader of its own keeps it untouched.
+        if vars(module).get("__loader__") is self:
+            module.__loader__ = self._loader
+        if module.__spec__ is not None and module.__spec__.loader is self:
             module.__spec__.loader = self._loader
         name = module.__name__
         finish = self._watcher._before(name, module)
@@ -60,9 +67,10 @@ class ImportWatcher:
         self._after_cbs: Dict[str, List[ModuleCallback]] = {}
         self._watched: set = set()
         self._local = threading.local()
-        # Served alias packages (alias -> target), shared with the ShimFinder: their submodules must
-        # come from the target package, never load a second time through the alias's __path__.
-        self.alias_packages: Dict[str, str] = {}
+        # Served alias packages (alias -> (target, record)), shared with the ShimFinder: their
+        # submodules must come from the target package, never load a second time through the
+        # alias's __path__.
+        self.alias_packages: Dict[str, Tuple[str, Record]] = {}
         self.alias_child: Optional[Callable[[str], Optional[ModuleSpec]]] = None
 
     def before(self, name: str, callback: Callable[[ModuleType], Callable[[], None]]) -> None:
@@ -125,32 +133,67 @@ class ImportWatcher:
             cb(module)
 
 
+_MISSING = object()
+# What importlib writes on a module it loads; a real module served under another name keeps its own.
+_IMPORT_ATTRS = ("__name__", "__loader__", "__package__", "__spec__", "__path__", "__file__", "__cached__")
+
+
+def _forget(name: str, module: ModuleType) -> Callable[[], None]:
+    """The undo of serving ``module`` as ``name``: its ``sys.modules`` entry, and the parent's
+    attribute that importlib sets, if the parent did not already hold this module before."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = sys.modules.get(parent_name)
+    previous = vars(parent).get(leaf, _MISSING) if parent is not None else _MISSING
+
+    def undo() -> None:
+        if sys.modules.get(name) is module:
+            del sys.modules[name]
+        if parent is not None and previous is not module and vars(parent).get(leaf) is module:
+            if previous is _MISSING:
+                delattr(parent, leaf)
+            else:
+                setattr(parent, leaf, previous)
+
+    return undo
+
+
 class _ShimLoader:
     """Builds a fresh shim module, or hands out an existing module under another name (alias)."""
 
-    def __init__(self, build: Optional[ModuleCallback] = None, resolve: Optional[Callable[[], ModuleType]] = None,
-                 packages: Optional[Dict[str, str]] = None) -> None:
+    def __init__(self, record: Record, build: Optional[ModuleCallback] = None,
+                 resolve: Optional[Callable[[], ModuleType]] = None,
+                 packages: Optional[Dict[str, Tuple[str, Record]]] = None) -> None:
+        self._record = record
         self._build = build
         self._resolve = resolve
         self._packages = packages
-        self._target_spec: Optional[ModuleSpec] = None
+        self._own: Dict[str, Any] = {}
 
     def create_module(self, spec: ModuleSpec) -> Optional[ModuleType]:
         if self._resolve is None:
             return None
         module = self._resolve()
-        self._target_spec = module.__spec__
+        self._own = {k: vars(module).get(k, _MISSING) for k in _IMPORT_ATTRS}
+        self._record.add(_forget(spec.name, module))
         if self._packages is not None and hasattr(module, "__path__"):
-            self._packages[spec.name] = module.__name__
+            self._packages[spec.name] = (module.__name__, self._record)
+            packages = self._packages
+            self._record.add(lambda: packages.pop(spec.name, None))
         return module
 
     def exec_module(self, module: ModuleType) -> None:
         if self._resolve is not None:
             # importlib stamped the alias's spec on the real module: give it its own back.
             alias = module.__spec__.name if module.__spec__ is not None else ""
-            module.__spec__ = self._target_spec
+            for key, value in self._own.items():
+                if vars(module).get(key, _MISSING) is not value:
+                    if value is _MISSING:
+                        delattr(module, key)
+                    else:
+                        setattr(module, key, value)
             _keep_parent_attribute(alias, module)
         elif self._build is not None:
+            self._record.add(_forget(module.__name__, module))
             self._build(module)
 
 
@@ -188,87 +231,44 @@ class ShimFinder:
     ``__path__``.
     """
 
-    def __init__(self, alias_packages: Optional[Dict[str, str]] = None) -> None:
-        self.shims: Dict[str, ModuleCallback] = {}
-        self.aliases: Dict[str, Callable[[], ModuleType]] = {}
-        self.alias_packages: Dict[str, str] = alias_packages if alias_packages is not None else {}
+    def __init__(self, alias_packages: Optional[Dict[str, Tuple[str, Record]]] = None) -> None:
+        self.shims: Dict[str, Tuple[ModuleCallback, Record]] = {}
+        self.aliases: Dict[str, Tuple[Callable[[], ModuleType], Record]] = {}
+        self.alias_packages = alias_packages if alias_packages is not None else {}
+
+    def add_shim(self, name: str, build: ModuleCallback, record: Record) -> None:
+        """Serve module ``name``, where no other finder finds it, as a new module ``build`` fills."""
+        self.shims[name] = (build, record)
+
+    def add_alias(self, name: str, resolve: Callable[[], ModuleType], record: Record) -> None:
+        """Serve module ``name``, where no other finder finds it, as the module ``resolve()`` returns."""
+        self.aliases.setdefault(name, (resolve, record))
 
     def find_spec(
         self, fullname: str, path: Optional[Sequence[str]] = None, target: Optional[ModuleType] = None
     ) -> Optional[ModuleSpec]:
-        build = self.shims.get(fullname)
-        resolve = None if build is not None else self.aliases.get(fullname)  # a built shim wins
-        if build is None and resolve is None:
+        shim = self.shims.get(fullname)
+        alias = None if shim is not None else self.aliases.get(fullname)  # a built shim wins
+        if shim is not None:
+            loader = _ShimLoader(shim[1], build=shim[0])
+        elif alias is not None:
+            loader = _ShimLoader(alias[1], resolve=alias[0], packages=self.alias_packages)
+        else:
             return None
         prefix = fullname + "."
-        is_package = resolve is None and any(name.startswith(prefix) for name in self.shims)
-        loader = _ShimLoader(build, resolve, self.alias_packages)
+        is_package = shim is not None and any(name.startswith(prefix) for name in self.shims)
         return importlib.util.spec_from_loader(fullname, loader, is_package=is_package)
 
     def alias_child(self, fullname: str) -> Optional[ModuleSpec]:
         """Spec for ``fullname`` whose parent is a served alias package: its own alias if it has
-        one, else the target package's submodule of the same name."""
+        one, else the target package's submodule of the same name (recorded with the package)."""
         if fullname not in self.aliases:
             parent, _, leaf = fullname.rpartition(".")
-            target = f"{self.alias_packages[parent]}.{leaf}"
+            package, record = self.alias_packages[parent]
+            target = f"{package}.{leaf}"
             if importlib.util.find_spec(target) is None:
                 return None
-            self.aliases[fullname] = lambda: importlib.import_module(target)
+            self.aliases[fullname] = (lambda: importlib.import_module(target), record)
+            aliases = self.aliases
+            record.add(lambda: aliases.pop(fullname, None))
         return self.find_spec(fullname)
-
-
-class SymbolServer:
-    """Serves missing attributes of modules, lazily, never replacing one that exists.
-
-    Installs a module-level ``__getattr__`` that first defers to the module's own ``__getattr__``
-    (if it had one) and only then makes the served object, caching it in the module.
-    """
-
-    def __init__(self) -> None:
-        # module name -> (original __getattr__ or None, served names -> factory, names cached)
-        self._installed: Dict[str, Tuple[Any, Dict[str, Callable[[], Any]], List[str]]] = {}
-
-    def serve(self, module: ModuleType, names: Dict[str, Callable[[], Any]]) -> List[str]:
-        """Serve ``names`` on ``module``; returns the names it lacked (those actually served)."""
-        missing = [n for n in names if n not in vars(module)]
-        if not missing:
-            return []
-        modname = module.__name__
-        if modname in self._installed:
-            self._installed[modname][1].update({n: names[n] for n in missing})
-            return missing
-        original = vars(module).get("__getattr__")
-        table: Dict[str, Callable[[], Any]] = {n: names[n] for n in missing}
-        cached: List[str] = []
-
-        def __getattr__(name: str) -> Any:
-            factory = table.get(name)
-            if original is not None:
-                try:
-                    return original(name)
-                except AttributeError:
-                    if factory is None:
-                        raise
-            if factory is None:
-                raise AttributeError(f"module {modname!r} has no attribute {name!r}")
-            value = factory()
-            setattr(module, name, value)
-            cached.append(name)
-            return value
-
-        module.__getattr__ = __getattr__  # type: ignore[method-assign]
-        self._installed[modname] = (original, table, cached)
-        return missing
-
-    def withdraw_all(self) -> None:
-        for modname, (original, _table, cached) in self._installed.items():
-            module = sys.modules.get(modname)
-            if module is None:
-                continue
-            for name in cached:
-                vars(module).pop(name, None)
-            if original is None:
-                vars(module).pop("__getattr__", None)
-            else:
-                module.__getattr__ = original  # type: ignore[method-assign]
-        self._installed.clear()

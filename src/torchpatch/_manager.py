@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import atexit
 import importlib
-import logging
 import os
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+
+import _torchpatch_startup
 
 from . import _versions
 from ._config import Config, Decision, decide
-from ._hooks import ImportWatcher, ShimFinder, SymbolServer
+from ._hooks import ImportWatcher, ShimFinder
 from ._patch import Patch, Patcher
+from ._record import Journal
 from ._registry import all_patches, applicable_builtin_patches, with_plugins
+from ._summary import JobSummary, configure_logging, log, log_summary
+from ._symbols import SymbolServer
 
 __version__ = "0.1.0"
-log = logging.getLogger("torchpatch")
 
 APPLIED, NOT_NEEDED, FAILED, WAITING = "applied", "not needed", "failed", "waiting for its module"
 
@@ -74,17 +78,21 @@ def plan(environ: Optional[Mapping[str, str]] = None, cfg: Optional[Config] = No
     return [PatchPlan(p, *applicability[p.id], decisions[p.id]) for p in patches]
 
 
-def _configure_logging(level: str) -> None:
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("torchpatch: %(message)s"))
-        log.addHandler(handler)
-        log.propagate = False
-    log.setLevel(logging.CRITICAL + 1 if level == "off" else getattr(logging, level.upper()))
+@dataclass(eq=False)
+class _HookRun:
+    """One application of a patch to a module (a hook's run, or symbols served), which a
+    re-execution (``importlib.reload``) of any module it changed must undo and do again."""
+
+    patch: Patch
+    module_name: str  # the module the hook is registered on
+    module: ModuleType  # the object the hook received
+    apply: Callable[[ModuleType], None]
+    undo: Callable[[], None]
+    touched: Set[str]  # names of the modules whose objects it changed
 
 
 class _Installation:
-    """Everything one ``install()`` changed, so that ``uninstall()`` can take it all back."""
+    """Everything one ``install()`` armed, and a :class:`Record` per patch of what it changed."""
 
     def __init__(self, cfg: Config, plans: List[PatchPlan]) -> None:
         self.cfg = cfg
@@ -93,25 +101,43 @@ class _Installation:
         self.shims = ShimFinder(self.watcher.alias_packages)
         self.watcher.alias_child = self.shims.alias_child
         self.symbols = SymbolServer()
-        self.patchers: List[Tuple[str, Patcher]] = []  # (patch id, its changes), in order
+        self.journal = Journal()
         self.status: Dict[str, str] = {}
-        self.shim_modules: List[str] = []
+        self.needed_by: Dict[str, List[str]] = {}  # patch id -> armed patches that require it
+        self.runs: List[_HookRun] = []
+        self.reloading: Dict[str, List[_HookRun]] = {}  # module name -> runs to do again after its body
+        self.watched_for_reload: Set[str] = set()
 
     # -- fail-safe application -------------------------------------------------------------
     def _fail(self, patch: Patch, where: str, exc: BaseException) -> None:
-        """Log once, mark the patch failed and take back what it did; raise if strict."""
-        for patch_id, patcher in self.patchers:
-            if patch_id == patch.id:
-                patcher.undo()
-        if self.status.get(patch.id) != FAILED:
+        """Log once, mark the patch (and what requires it) failed and take back all it changed;
+        raise if strict."""
+        first = self.status.get(patch.id) != FAILED
+        self._take_back(patch.id)
+        if first:
             self.status[patch.id] = FAILED
-            log.warning(
-                "patch %s failed while applying to %s and was skipped (%s: %s); "
-                "set TORCHPATCH_STRICT=1 to make this an error",
-                patch.id, where, type(exc).__name__, exc,
-            )
+            message = f"patch {patch.id} failed while applying to {where} ({type(exc).__name__}: {exc})"
+            if self.cfg.strict:
+                log.error("%s", message)
+            else:
+                log.warning("%s and was taken back; set TORCHPATCH_STRICT=1 to make this an error", message)
+            self._fail_dependents(patch.id)
         if self.cfg.strict:
             raise PatchError(f"torchpatch patch {patch.id} failed while applying to {where}: {exc}") from exc
+
+    def _fail_dependents(self, failed: str) -> None:
+        for dependent in self.needed_by.get(failed, ()):
+            if self.status.get(dependent) != FAILED:
+                self._take_back(dependent)
+                self.status[dependent] = FAILED
+                log.warning("patch %s was taken back: it requires %s, which failed", dependent, failed)
+                self._fail_dependents(dependent)
+
+    def _take_back(self, patch_id: str) -> None:
+        errors = self.journal.record(patch_id).undo()
+        self.runs = [r for r in self.runs if r.patch.id != patch_id]
+        for error in errors:
+            log.warning("taking back patch %s: %s", patch_id, error)
 
     def _mark(self, patch: Patch, status: str) -> None:
         """Record progress: a patch once applied (or failed) stays so."""
@@ -124,17 +150,19 @@ class _Installation:
         return self.status.get(patch.id) != FAILED
 
     def arm(self, patch: Patch) -> None:
-        self.status[patch.id] = WAITING
+        if self.status.setdefault(patch.id, WAITING) == FAILED:  # a requirement already failed
+            return
+        record = self.journal.record(patch.id)
         for name, build in patch.modules.items():
-            self.shims.shims[name] = self._shim_builder(patch, name, build)
+            self.shims.add_shim(name, self._shim_builder(patch, name, build), record)
         for name, target, torch in patch.aliases:
-            if name not in self.shims.aliases and _versions.matches(torch, _versions.torch_version()):
-                self.shims.aliases[name] = self._alias_resolver(patch, name, target)
+            if _versions.matches(torch, _versions.torch_version()):
+                self.shims.add_alias(name, self._alias_resolver(patch, name, target), record)
         by_module: Dict[str, Dict[str, Callable[[], Any]]] = {}
         for (module, name), factory in patch.symbols.items():
             by_module.setdefault(module, {})[name] = self._symbol_factory(patch, module, name, factory)
         for module, names in by_module.items():
-            self.watcher.after(module, self._symbol_hook(patch, names))
+            self.watcher.after(module, self._symbol_hook(patch, module, names))
         for module, hook in patch.import_time_hooks:
             self.watcher.before(module, self._import_time_hook(patch, module, hook))
         for module, hook in patch.import_hooks:
@@ -150,7 +178,6 @@ class _Installation:
             except Exception as exc:
                 self._fail(patch, f"module {name}", exc)
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name) from exc
-            self.shim_modules.append(name)
             self._mark(patch, APPLIED)
 
         return run
@@ -167,7 +194,6 @@ class _Installation:
                 except Exception as exc:
                     self._fail(patch, f"module {name} (= {target})", exc)
                 else:
-                    self.shim_modules.append(name)
                     self._mark(patch, APPLIED)
                     return module
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
@@ -185,52 +211,87 @@ class _Installation:
 
         return make
 
-    def _symbol_hook(self, patch: Patch, names: Dict[str, Callable[[], Any]]) -> Callable[[ModuleType], None]:
-        def hook(module: ModuleType) -> None:
+    def _symbol_hook(self, patch: Patch, where: str, names: Dict[str, Callable[[], Any]]) -> Callable[[ModuleType], None]:
+        def apply(module: ModuleType) -> None:
             if not self._live(patch):
                 return
             try:
-                served = self.symbols.serve(module, names)
+                served, undo = self.symbols.serve(module, names)
             except Exception as exc:
-                self._fail(patch, module.__name__, exc)
+                self._fail(patch, where, exc)
                 return
+            self.journal.record(patch.id).add(undo)
+            self._ran(_HookRun(patch, where, module, apply, undo, {where}))
             self._mark(patch, APPLIED if served else NOT_NEEDED)
 
-        return hook
-
-    def _run_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]], module: ModuleType) -> Optional[Patcher]:
-        """Run one hook fail-safe; its Patcher (status recorded) or None if skipped or failed."""
-        if not self._live(patch):
-            return None
-        patcher = Patcher()
-        try:
-            result = hook(patcher, module)
-        except Exception as exc:
-            patcher.undo()
-            self._fail(patch, where, exc)
-            return None
-        self._mark(patch, NOT_NEEDED if result is False else APPLIED)
-        return patcher
+        return apply
 
     def _import_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]]) -> Callable[[ModuleType], None]:
-        def run(module: ModuleType) -> None:
-            patcher = self._run_hook(patch, where, hook, module)
-            if patcher is not None:
-                self.patchers.append((patch.id, patcher))
+        def apply(module: ModuleType) -> None:
+            if not self._live(patch):
+                return
+            patcher = Patcher()
+            self.journal.record(patch.id).add(patcher.undo)
+            try:
+                result = hook(patcher, module)
+            except Exception as exc:
+                self._fail(patch, where, exc)
+                return
+            self._ran(_HookRun(patch, where, module, apply, patcher.undo, {where} | patcher.modules_changed()))
+            self._mark(patch, NOT_NEEDED if result is False else APPLIED)
 
-        return run
+        return apply
 
     def _import_time_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]]) -> Callable[[ModuleType], Callable[[], None]]:
         def run(module: ModuleType) -> Callable[[], None]:
-            patcher = self._run_hook(patch, where, hook, module)
-            return patcher.undo if patcher is not None else (lambda: None)
+            if not self._live(patch):
+                return lambda: None
+            patcher = Patcher()
+            self.journal.record(patch.id).add(patcher.undo)
+            try:
+                result = hook(patcher, module)
+            except Exception as exc:
+                self._fail(patch, where, exc)
+                return lambda: None
+            self._mark(patch, NOT_NEEDED if result is False else APPLIED)
+            return patcher.undo
 
         return run
+
+    # -- importlib.reload of a module that a patch changed ----------------------------------
+    def _ran(self, run: _HookRun) -> None:
+        self.runs.append(run)
+        for name in run.touched - self.watched_for_reload:
+            self.watched_for_reload.add(name)
+            self.watcher.before(name, self._before_reexec)
+            self.watcher.after(name, self._after_reexec)
+
+    def _before_reexec(self, module: ModuleType) -> Callable[[], None]:
+        """A module that a patch changed is executed again: undo those changes first (its body
+        then defines everything anew), and do them again once the body has run."""
+        name = module.__name__
+        again = [r for r in self.runs if name in r.touched and self._live(r.patch)]
+        for run in reversed(again):
+            run.undo()
+        self.runs = [r for r in self.runs if r not in again]
+        # Hooks registered on this very module run again by themselves, after its body.
+        self.reloading[name] = [r for r in again if r.module_name != name]
+        return lambda: None
+
+    def _after_reexec(self, module: ModuleType) -> None:
+        for run in self.reloading.pop(module.__name__, ()):
+            run.apply(run.module)
 
     # -- whole installation ----------------------------------------------------------------
     def start(self) -> None:
         sys.meta_path.insert(0, self.watcher)
         sys.meta_path.append(self.shims)
+        armed = {p.patch.id for p in self.plans if p.active}
+        for p in self.plans:
+            if p.active:
+                for need in p.patch.requires:
+                    if need in armed:
+                        self.needed_by.setdefault(need, []).append(p.patch.id)
         for p in self.plans:
             if p.active:
                 self.arm(p.patch)
@@ -239,11 +300,9 @@ class _Installation:
         for finder in (self.watcher, self.shims):
             if finder in sys.meta_path:
                 sys.meta_path.remove(finder)
-        while self.patchers:
-            self.patchers.pop()[1].undo()
-        self.symbols.withdraw_all()
-        for name in self.shim_modules + list(self.shims.alias_packages):
-            sys.modules.pop(name, None)
+        for error in self.journal.undo_all():
+            log.warning("uninstall: %s", error)
+        self.runs.clear()
 
     def summary(self) -> str:
         applied = sorted(i for i, s in self.status.items() if s == APPLIED)
@@ -253,19 +312,20 @@ class _Installation:
             f"Python {_versions.python_version()}: applied {', '.join(applied) or 'none'}"
         )
         if failed:
-            line += f"; failed and skipped {', '.join(failed)}"
+            line += f"; failed and taken back {', '.join(failed)}"
         return line
 
 
 _lock = threading.RLock()
 _current: Optional[_Installation] = None
+_job: Optional[JobSummary] = None
 
 
 def _log_summary() -> None:
-    """At exit, one line: versions and what was applied; rank 0 only, and only where torch was used."""
+    """At exit, one line per job: versions and what was applied (see ``_summary``)."""
     inst = _current
-    if inst is not None and "torch" in sys.modules and os.environ.get("RANK", "0") == "0":
-        log.info("%s", inst.summary())
+    if inst is not None and "torch" in sys.modules and _job is not None and _job.should_print():
+        log_summary(inst.summary())
 
 
 def install(environ: Optional[Mapping[str, str]] = None) -> None:
@@ -275,12 +335,13 @@ def install(environ: Optional[Mapping[str, str]] = None) -> None:
     Nothing is imported from torch here: each patch applies when its torch module is imported
     (or at once, if that module already is).
     """
-    global _current
+    global _current, _job
     with _lock:
+        _torchpatch_startup.cancel()
         if _current is not None:
             return
         cfg = Config.from_environ(os.environ if environ is None else environ)
-        _configure_logging(cfg.log_level)
+        configure_logging(cfg.log_level)
         plans = plan(cfg=cfg, only_applicable=True)
         for warning in cfg.warnings:
             log.warning("%s", warning)
@@ -292,13 +353,16 @@ def install(environ: Optional[Mapping[str, str]] = None) -> None:
             _current = None
             inst.stop()
             raise
+        if _job is None:
+            _job = JobSummary()
         atexit.register(_log_summary)
 
 
 def uninstall() -> None:
-    """Take back everything :func:`install` did: finders, wrappers, served symbols and shims."""
+    """Take back everything :func:`install` did: finders, wrappers, served symbols and modules."""
     global _current
     with _lock:
+        _torchpatch_startup.cancel()
         inst, _current = _current, None
         if inst is not None:
             atexit.unregister(_log_summary)
@@ -306,7 +370,9 @@ def uninstall() -> None:
 
 
 def is_installed() -> bool:
-    return _current is not None
+    """Whether torchpatch is active in this process: installed, or armed by ``TORCHPATCH=1`` and
+    waiting for the first ``import torch``."""
+    return _current is not None or _torchpatch_startup.pending()
 
 
 def status() -> Dict[str, str]:
@@ -315,11 +381,14 @@ def status() -> Dict[str, str]:
 
 
 def _activate_at_startup() -> None:
-    """Called by the start-up hook when ``TORCHPATCH`` is on: never breaks the process unless
-    ``TORCHPATCH_STRICT=1``."""
+    """Called by the start-up hook at the first ``import torch`` when ``TORCHPATCH`` is on: never
+    breaks the process unless ``TORCHPATCH_STRICT=1``, which makes a failure end it (exit 1)."""
     try:
         install()
     except Exception as exc:
-        if Config.from_environ().strict:
-            raise
-        sys.stderr.write(f"torchpatch: activation failed, continuing without torchpatch: {exc}\n")
+        cfg = Config.from_environ()
+        if cfg.strict:
+            traceback.print_exc()
+            raise SystemExit(f"torchpatch: activation failed: {type(exc).__name__}: {exc}") from exc
+        if cfg.log_level != "off":
+            sys.stderr.write(f"torchpatch: activation failed, continuing without torchpatch: {exc}\n")

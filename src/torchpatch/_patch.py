@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 
 _ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
@@ -57,6 +57,19 @@ class Patcher:
     @property
     def changed(self) -> bool:
         return bool(self._undo)
+
+    def modules_changed(self) -> Set[str]:
+        """Names of the modules whose namespace (or whose classes) this patcher changed: a reload
+        of one of them redefines what was changed, so the engine applies the hook again."""
+        names: Set[str] = set()
+        for owner, _name, previous in self._undo:
+            if previous is _CALL:
+                continue
+            if isinstance(owner, ModuleType):
+                names.add(owner.__name__)
+            elif isinstance(owner, type) and isinstance(getattr(owner, "__module__", None), str):
+                names.add(owner.__module__)
+        return names
 
     def undo(self) -> None:
         while self._undo:
