@@ -173,3 +173,22 @@ def test_log_levels(level, debug_lines, summary_lines):
     lines = run_py(SUMMARY, env=plugin_env(TORCHPATCH="1", TORCHPATCH_LOG=level)).stderr.splitlines()
     assert len([line for line in lines if line.startswith("torchpatch: applied demo-")]) == debug_lines, lines
     assert len([line for line in lines if line.startswith("torchpatch: 0.1.0 on torch")]) == summary_lines, lines
+
+
+def test_an_empty_enable_list_warns_that_everything_is_off():
+    proc = run_py(STATUS, env=plugin_env(TORCHPATCH="1", TORCHPATCH_ENABLE=""))
+    assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[-1]) == {}
+    assert "TORCHPATCH_ENABLE is set but names no patch, so every patch is off" in proc.stderr
+
+
+@pytest.mark.parametrize("log", ["warning", "off"])
+def test_flag_warnings_follow_the_log_level(log):
+    env = plugin_env(TORCHPATCH="1", TORCHPATCH_STRICT="maybe", TORCHPATCH_DEMO_SHIM="perhaps",
+                     TORCHPATCH_ENABLE="", TORCHPATCH_LOG=log)
+    proc = run_py(STATUS, env=env)
+    assert proc.returncode == 0
+    if log == "off":
+        assert proc.stderr == ""
+    else:
+        assert "ignoring TORCHPATCH_STRICT='maybe'" in proc.stderr
+        assert "ignoring TORCHPATCH_DEMO_SHIM='perhaps'" in proc.stderr
