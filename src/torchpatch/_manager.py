@@ -226,35 +226,33 @@ class _Installation:
 
         return apply
 
+    def _run_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]], module: ModuleType) -> Optional[Patcher]:
+        """Run one hook fail-safe, its changes in the patch's record; its Patcher, or None if the
+        patch is (or just became) failed."""
+        if not self._live(patch):
+            return None
+        patcher = Patcher()
+        self.journal.record(patch.id).add(patcher.undo)
+        try:
+            result = hook(patcher, module)
+        except Exception as exc:
+            self._fail(patch, where, exc)
+            return None
+        self._mark(patch, NOT_NEEDED if result is False else APPLIED)
+        return patcher
+
     def _import_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]]) -> Callable[[ModuleType], None]:
         def apply(module: ModuleType) -> None:
-            if not self._live(patch):
-                return
-            patcher = Patcher()
-            self.journal.record(patch.id).add(patcher.undo)
-            try:
-                result = hook(patcher, module)
-            except Exception as exc:
-                self._fail(patch, where, exc)
-                return
-            self._ran(_HookRun(patch, where, module, apply, patcher.undo, {where} | patcher.modules_changed()))
-            self._mark(patch, NOT_NEEDED if result is False else APPLIED)
+            patcher = self._run_hook(patch, where, hook, module)
+            if patcher is not None:
+                self._ran(_HookRun(patch, where, module, apply, patcher.undo, {where} | patcher.modules_changed()))
 
         return apply
 
     def _import_time_hook(self, patch: Patch, where: str, hook: Callable[..., Optional[bool]]) -> Callable[[ModuleType], Callable[[], None]]:
         def run(module: ModuleType) -> Callable[[], None]:
-            if not self._live(patch):
-                return lambda: None
-            patcher = Patcher()
-            self.journal.record(patch.id).add(patcher.undo)
-            try:
-                result = hook(patcher, module)
-            except Exception as exc:
-                self._fail(patch, where, exc)
-                return lambda: None
-            self._mark(patch, NOT_NEEDED if result is False else APPLIED)
-            return patcher.undo
+            patcher = self._run_hook(patch, where, hook, module)
+            return patcher.undo if patcher is not None else (lambda: None)
 
         return run
 
