@@ -1,7 +1,8 @@
 """sdpa-backport: ``F.scaled_dot_product_attention`` on torch 1.13 equals torch 2.13's math backend
-(reference values recorded from torch 2.13, checked against torch 2.13 itself in its own session);
-``torch.nn.attention.sdpa_kernel``/``SDPBackend`` on torch 1.13-2.2 set the backend flags the way
-torch 2.13's do; inactive where torch has them."""
+(written op for op in the test and compared bit for bit in the same process; that transcription is
+checked against torch 2.13's own in its session) and the definition computed in float64 in the run,
+within a derived tolerance; ``torch.nn.attention.sdpa_kernel``/``SDPBackend`` on torch 1.13-2.2 set
+the backend flags the way torch 2.13's do; inactive where torch has them."""
 
 from conftest import clean_env, only_torch, run_json, torch_matches
 from reference import LOAD, REFERENCE_DIR
@@ -39,56 +40,188 @@ def test_native_failure_on_21():
     assert out["attention"] == "ModuleNotFoundError: No module named 'torch.nn.attention'"
 
 
-# Every reference case through the public names (served on 1.13, torch's own on 2.13), under
-# sdpa_kernel(MATH): results, or the error torch 2.13 raised.
-REFERENCE = LOAD + """
+# The numeric references, computed in each run (nothing recorded on another CPU: a float kernel's last
+# bits depend on the CPU's vector width, e.g. AVX-512 vs AVX2 builds of torch 2.13 differ by 1 ulp).
+#
+# 1. definition(): softmax(q k^T * scale + mask) v from the definition, in float64 with Python's own
+#    arithmetic (no torch kernel): each logit exact (Fraction) and rounded once, then per row
+#    exp(x - max), math.fsum, and a row masked entirely gives zeros (torch 2.13's math backend, not
+#    NaN); is_causal keeps j <= i (top left), a boolean mask True = attend, enable_gqa maps query head
+#    h to key/value head h // (Hq / H). With it, a tolerance per output element, derived from the
+#    rounding errors of the computation under test (u: unit roundoff of the precision it computes in,
+#    float32 for float16/bfloat16/float32, float64 for float64; E the head size, S the key length;
+#    a_j = |scale| * sum_e |q_e k_je| + |mask_j|, A = max_j a_j over the row's unmasked keys,
+#    B_c = sum_j w_j |v_jc|; bounds to first order in u, for any summation order [Higham, Accuracy
+#    and Stability of Numerical Algorithms, 2nd ed., section 3.1: |fl(x.y) - x.y| <= n u |x|.|y|]):
+#    - logits: sqrt(scale) rounded and applied to q and to k (4u per product), the E-term dot
+#      product (E u), the mask added (u): |dx_j| <= (E + 5) u a_j;
+#    - softmax: logit errors move log w_j by dx_j - sum_t w_t dx_t, at most 2 max|dx|; x - max
+#      rounds (u |x - max| <= 2u A), exp is within 1 ulp (2u; glibc and Sleef's u10 kernels), the
+#      S-term sum of positive terms ((S - 1)u) and the division (u): |dw_j| <= ((2E + 12) A + S + 2) u w_j;
+#    - the S-term product with v: S u B_c, plus the weights' errors: |d out_c| <= ((2E + 12) A +
+#      2S + 2) u B_c;
+#    - float16/bfloat16: the result is cast back (u_cast |out_c|, u_cast that dtype's roundoff).
+#    The reference's own error (correctly rounded logits and sums, libm exp) is below the same
+#    expression with u = 2^-53, so u is taken as u(compute) + 2^-53; the whole is doubled for the
+#    dropped second-order terms. A fully masked row's tolerance is 0: exactly zero is required.
+#    Each case reports rel_tol, the largest tolerance relative to B (or |out| for the cast): it must
+#    stay below 1% so the check discriminates (wrong scale, mask or causal side move outputs O(1)).
+# 2. math_backend(): torch 2.13's math backend written op for op with the installed torch's
+#    operators; compared bit for bit in the same process (no CPU dependence). On torch 2.13 it is
+#    checked against torch's own math backend; on torch 1.13 the served function must equal it.
+DEFINITION = """
+import math
+from fractions import Fraction
+
+def definition(q, k, v, attn_mask=None, is_causal=False, scale=None, enable_gqa=False):
+    E, L, S, Ev = q.shape[-1], q.shape[-2], k.shape[-2], v.shape[-1]
+    hq, hk, hv = (q.shape[-3], k.shape[-3], v.shape[-3]) if q.dim() >= 3 else (1, 1, 1)
+    Q = q.double().reshape(-1, hq, L, E).tolist()
+    K = k.double().reshape(-1, hk, S, E).tolist()
+    V = v.double().reshape(-1, hv, S, Ev).tolist()
+    if attn_mask is not None:
+        m = torch.broadcast_to(attn_mask, (*q.shape[:-1], S)).reshape(-1, hq, L, S)
+        M = m.tolist() if m.dtype == torch.bool else m.double().tolist()
+    s = 1 / math.sqrt(E) if scale is None else float(scale)
+    compute = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+    u = UNIT_ROUNDOFF[compute] + UNIT_ROUNDOFF[torch.float64]
+    u_cast = UNIT_ROUNDOFF[q.dtype] if q.dtype != compute else 0.0
+    out, tol, rel_tol = [], [], 0.0
+    for b in range(len(Q)):
+        for h in range(hq):
+            kh, vh = (h // (hq // hk), h // (hq // hv)) if enable_gqa else (h, h)
+            for i in range(L):
+                logits, sizes = [], []
+                for j in range(S):
+                    mask = 0.0 if attn_mask is None else M[b][h][i][j]
+                    if (is_causal and j > i) or mask is False or mask == -math.inf:
+                        logits.append(-math.inf)
+                        continue
+                    mask = 0.0 if mask is True else mask
+                    qk = [(Fraction(a), Fraction(c)) for a, c in zip(Q[b][h][i], K[b][kh][j])]
+                    logits.append(float(Fraction(s) * sum(a * c for a, c in qk) + Fraction(mask)))
+                    sizes.append(abs(s) * float(sum(abs(a * c) for a, c in qk)) + abs(mask))
+                if not sizes:  # every key masked: zeros
+                    out.append([0.0] * Ev)
+                    tol.append([0.0] * Ev)
+                    continue
+                top = max(logits)
+                e = [math.exp(x - top) for x in logits]
+                z = math.fsum(e)
+                rel = 2 * ((2 * E + 12) * max(sizes) + 2 * S + 2) * u
+                rel_tol = max(rel_tol, rel + 2 * u_cast)
+                row = [math.fsum(w * V[b][vh][j][c] for j, w in enumerate(e)) / z for c in range(Ev)]
+                size = [math.fsum(w * abs(V[b][vh][j][c]) for j, w in enumerate(e)) / z for c in range(Ev)]
+                out.append(row)
+                tol.append([rel * bc + 2 * u_cast * abs(oc) for oc, bc in zip(row, size)])
+    shape = (*q.shape[:-1], Ev)
+    as_tensor = lambda rows: torch.tensor(rows, dtype=torch.float64).reshape(shape)
+    return as_tensor(out), as_tensor(tol), rel_tol
+"""
+
+MATH_BACKEND = """
+import math
+
+def math_backend(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # torch 2.13, aten/src/ATen/native/transformers/attention.cpp: convert_boolean_attn_mask, then
+    # _scaled_dot_product_attention_math (and pre_process_group_query_attention_input, _safe_softmax).
+    origin = query.dtype
+    def additive(mask, dtype):
+        return torch.where(mask.logical_not(), torch.full((), -math.inf, dtype=dtype), torch.zeros((), dtype=dtype))
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = additive(attn_mask, origin)
+    if origin in (torch.float16, torch.bfloat16):
+        query, key, value = query.float(), key.float(), value.float()
+    negative = scale is not None and scale < 0.0
+    softmax_scale = (abs(scale) if negative else scale) if scale is not None else 1.0 / math.sqrt(query.size(-1))
+    scaling_factor = math.sqrt(softmax_scale)
+    query = query * ((0.0 - scaling_factor) if negative else scaling_factor)
+    if is_causal:
+        attn_mask = additive(torch.ones(query.size(-2), key.size(-2), dtype=torch.bool).tril(), query.dtype)
+    if enable_gqa and not (query.size(-3) == key.size(-3) == value.size(-3)):
+        key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+        value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+    attn = torch.matmul(query, key.transpose(-2, -1) * scaling_factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    weights = torch.softmax(attn, -1)
+    weights = torch.where(attn.eq(-math.inf).all(-1, keepdim=True), torch.zeros((), dtype=weights.dtype), weights)
+    if dropout_p > 0.0:
+        weights = torch.dropout(weights, dropout_p, True)
+    return torch.matmul(weights, value).to(origin)
+"""
+
+# Every case through the public names (served on 1.13, torch's own on 2.13) under
+# sdpa_kernel(MATH): the error torch 2.13 raises (recorded: messages are not CPU dependent), or the
+# result against definition() and, bit for bit, math_backend() (dropout 0 and 0.3, same seed).
+CASES = LOAD + DEFINITION + MATH_BACKEND + """
 import sys, torch.nn.functional as F, torchpatch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-verdicts = {}
+results = {}
 for case in load(sys.argv[1]):
     q, k, v, mask = (tensor(case[n]) for n in ("query", "key", "value", "attn_mask"))
-    try:
+    kwargs = case["kwargs"]
+    if "error" in case:
+        try:
+            with sdpa_kernel(SDPBackend.MATH):
+                F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kwargs)
+        except RuntimeError as exc:
+            message = str(exc).splitlines()[0]
+            results[case["name"]] = True if message.startswith(case["error"]) else message
+        else:
+            results[case["name"]] = "no error"
+        continue
+    ref, tol, rel_tol = definition(q, k, v, mask, **kwargs)
+    verdict = {"rel_tol": rel_tol}
+    for p in (0.0, 0.3):
+        torch.manual_seed(7)
         with sdpa_kernel(SDPBackend.MATH):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **case["kwargs"])
-    except RuntimeError as exc:
-        message = str(exc).splitlines()[0]
-        verdicts[case["name"]] = message.startswith(case["error"]) if "error" in case else message
-    else:
-        verdicts[case["name"]] = same(out, tensor(case["output"])) if "output" in case else "no error"
-print(json.dumps({"verdicts": verdicts, "status": torchpatch.status().get("sdpa-backport"),
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, **kwargs)
+        if p == 0.0:
+            verdict["definition"] = within(out, ref, tol) if out.dtype == q.dtype else str(out.dtype)
+        torch.manual_seed(7)
+        verdict[f"math_backend, dropout {p}"] = same(out, math_backend(q, k, v, mask, dropout_p=p, **kwargs))
+    results[case["name"]] = verdict
+print(json.dumps({"results": results, "status": torchpatch.status().get("sdpa-backport"),
                   "sdpa": getattr(F.scaled_dot_product_attention, "__module__", None)}))
 """
 
 
+def _check_cases(results: dict) -> None:
+    errors = {name: r for name, r in results.items() if name.startswith("error: ")}
+    assert errors == {name: True for name in errors} and len(errors) == 6
+    values = {name: r for name, r in results.items() if name not in errors}
+    assert len(values) == 16
+    expected = {"definition": True, "math_backend, dropout 0.0": True, "math_backend, dropout 0.3": True}
+    wrong = {name: r for name, r in values.items() if {key: r[key] for key in expected} != expected}
+    assert wrong == {}, wrong
+    loose = {name: r["rel_tol"] for name, r in values.items() if not r["rel_tol"] < 0.01}
+    assert loose == {}, loose
+
+
 @only_torch("<2.0")
-def test_backport_matches_torch_213_math_backend():
-    out = run_json(REFERENCE, env=clean_env(TORCHPATCH="1"), args=(SDPA_JSON,))
+def test_backport_matches_definition_and_torch_213_math_backend():
+    out = run_json(CASES, env=clean_env(TORCHPATCH="1"), args=(SDPA_JSON,))
     assert out["sdpa"] == "torchpatch.patches.sdpa_backport" and out["status"] == "applied"
-    verdicts = out["verdicts"]
-    assert len(verdicts) == 22
-    # Bit for bit, errors and fully masked rows included, except where torch 1.13's BLAS rounds a
-    # matmul differently in the last bit (measured: the float64 case, 8 values 1 ulp apart).
-    loose = {name: v for name, v in verdicts.items() if v is not True}
-    assert all(isinstance(v, dict) and v["max_rel"] < 1e-6 for v in loose.values()), loose
-    assert len(loose) <= 2, loose
+    _check_cases(out["results"])
 
 
-@only_torch(">=2.13", "the reference values are torch 2.13's; this checks they still are")
-def test_reference_values_are_torch_213s():
-    out = run_json(REFERENCE, env=clean_env(TORCHPATCH="1"), args=(SDPA_JSON,))
+@only_torch(">=2.13", "the expectations are torch 2.13's: this checks its own math backend meets them")
+def test_torch_213_meets_the_same_expectations():
+    out = run_json(CASES, env=clean_env(TORCHPATCH="1"), args=(SDPA_JSON,))
     assert out["status"] is None  # nothing served: torch's own SDPA
-    assert out["verdicts"] == {name: True for name in out["verdicts"]} and len(out["verdicts"]) == 22
+    _check_cases(out["results"])
 
 
-# The backport itself (imported directly) against torch 2.13's math backend, bit for bit,
-# dropout included (same generator, same draws).
+# The backport itself (imported directly) against torch 2.13's math backend in the same process, bit
+# for bit, dropout included (same generator, same draws).
 DIRECT = LOAD + """
 import sys, torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torchpatch.patches.sdpa_backport import scaled_dot_product_attention as backport
 verdicts = {}
 for case in load(sys.argv[1]):
-    if "output" not in case:
+    if "error" in case:
         continue
     q, k, v, mask = (tensor(case[n]) for n in ("query", "key", "value", "attn_mask"))
     for p in (0.0, 0.3):
