@@ -32,8 +32,8 @@ def flag_warning(name, value):
     return "ignoring %s=%r: accepted values are 1/true/yes/on and 0/false/no/off (any case)" % (name, value)
 
 
-def log_is_off(environ=os.environ):
-    return environ.get("TORCHPATCH_LOG", "").strip().lower() == "off"
+def log_is_off():
+    return os.environ.get("TORCHPATCH_LOG", "").strip().lower() == "off"
 
 
 class _FirstTorchImport:

@@ -284,15 +284,13 @@ class _Installation:
     def start(self) -> None:
         sys.meta_path.insert(0, self.watcher)
         sys.meta_path.append(self.shims)
-        armed = {p.patch.id for p in self.plans if p.active}
-        for p in self.plans:
-            if p.active:
-                for need in p.patch.requires:
-                    if need in armed:
-                        self.needed_by.setdefault(need, []).append(p.patch.id)
-        for p in self.plans:
-            if p.active:
-                self.arm(p.patch)
+        active = [p.patch for p in self.plans if p.active]
+        armed = {patch.id for patch in active}
+        for patch in active:
+            for need in armed.intersection(patch.requires):
+                self.needed_by.setdefault(need, []).append(patch.id)
+        for patch in active:
+            self.arm(patch)
 
     def stop(self) -> None:
         for finder in (self.watcher, self.shims):

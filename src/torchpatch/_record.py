@@ -26,9 +26,6 @@ class Record:
     def add(self, undo: Undo) -> None:
         self._actions.append((next(self._sequence), undo))
 
-    def __len__(self) -> int:
-        return len(self._actions)
-
     def undo(self) -> List[str]:
         """Undo everything, newest first; the errors of actions that raised (the rest still run)."""
         actions, self._actions = self._actions, []
