@@ -1,11 +1,15 @@
 """Test sessions: the quick suite on the default torch, and the torch version matrix.
 
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
-    nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0)
+    nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
 3-5 GB): ``$NOX_TORCH_VENVS`` or ``~/.cache/torchpatch/nox``.
+
+Some machines cap pip with a system-wide constraint (``torch<=2.14.1`` in a pip config file); a torch
+newer than ``CONSTRAINED_ABOVE`` is installed with pip's config files off for that install only
+(``PIP_CONFIG_FILE=/dev/null``), never by changing the machine.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import tempfile
 
 import nox
+from packaging.version import Version
 
 nox.options.envdir = os.environ.get(
     "NOX_TORCH_VENVS", os.path.join(os.path.expanduser("~"), ".cache", "torchpatch", "nox")
@@ -30,7 +35,11 @@ MATRIX: dict[str, list[str]] = {
     "2.4.1": ["numpy"],
     "2.9.0": ["numpy", "torch_xla==2.9.0"],
     DEFAULT_TORCH: ["numpy"],
+    "2.14.1": ["numpy"],
+    "2.15.0": ["numpy"],
 }
+# The newest torch a machine-wide pip constraint may allow; newer ones install with pip's config off.
+CONSTRAINED_ABOVE = Version("2.14.1")
 
 _wheel: list[str] = []
 
@@ -45,7 +54,8 @@ def _build_wheel(session: nox.Session) -> str:
 
 
 def _run_suite(session: nox.Session, torch: str) -> None:
-    session.install(f"torch=={torch}", *MATRIX[torch])
+    pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
+    session.install(f"torch=={torch}", *MATRIX[torch], env=pip_env)
     wheel = _build_wheel(session)
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
@@ -64,5 +74,5 @@ def tests(session: nox.Session) -> None:
 @nox.session(tags=["matrix"])
 @nox.parametrize("torch", [v for v in MATRIX if v != DEFAULT_TORCH])
 def matrix(session: nox.Session, torch: str) -> None:
-    """The suite on one older torch of the matrix."""
+    """The suite on one other torch of the matrix."""
     _run_suite(session, torch)

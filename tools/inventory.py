@@ -5,8 +5,10 @@
 Imports every module under the roots below (each in a try: a module that fails to import natively is
 recorded as failing, with its error) and records, per module, every attribute name (dunder names
 aside) as ``"module:qualname"`` for classes and functions (where they are defined), ``"<module>"`` for
-submodules, and ``""`` for other values; and the call signatures (annotations dropped) of the public functions and
-classes each module defines. ``walked`` and ``walk_skips`` say which packages were walked whole (a module
+submodules, and ``""`` for other values; the call signatures (annotations dropped) of the public functions and
+classes each module defines; and the members of every class that ``torch.distributed`` exposes (``classes``:
+``"module:qualname" -> {"members": [...], "init": "(...)", "extends": [...]}``; ``extends`` names the big
+common bases, ``nn.Module`` and ``Tensor``, whose members are recorded once under ``bases`` instead of per class). ``walked`` and ``walk_skips`` say which packages were walked whole (a module
 under them that is not listed does not exist), so that a reader can tell "absent" from "not looked at". torchpatch's relocation table is derived from and checked
 against these files (tools/relocations.py), and ``torchpatch check --torch X`` reads them.
 """
@@ -19,16 +21,24 @@ import importlib
 import inspect
 import json
 import pkgutil
+import re
 import sys
 import types
 import warnings
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 WALK = ["torch.distributed", "torch.nn", "torch.optim", "torch.utils.checkpoint", "torch.nn.attention"]
 SINGLE = ["torch", "torch._utils", "torch.backends.cuda", "torch.cuda", "torch.amp", "torch.utils", "torch.library",
-          "torch.utils._python_dispatch", "torch.autograd", "torch.autograd.function"]
+          "torch.utils._python_dispatch", "torch.autograd", "torch.autograd.function",
+          # what training code written for older torch calls beside torch.distributed
+          "torch.cuda.amp", "torch.cpu.amp", "torch.amp.grad_scaler", "torch.serialization", "torch.utils.data",
+          "torch.profiler", "torch._dynamo", "torch.export", "torch.func", "torch.overrides", "torch.types"]
 SKIP_PARTS = ("tests", "testing", "benchmarks", "examples")
+# Classes exposed by these packages have their members recorded.
+MEMBER_ROOTS = ("torch.distributed",)
+# Bases whose (many) members are recorded once and referred to by classes that derive from them.
+BIG_BASES = ("torch.nn:Module", "torch:Tensor")
 OUT = Path(__file__).resolve().parent.parent / "patches" / "_inventory"
 
 
@@ -42,11 +52,53 @@ def _describe(value: object) -> str:
     return ""
 
 
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+>")
+
+
 def _call_shape(value: object) -> str:
-    """The signature without annotations: parameter names, kinds and defaults (what callers see)."""
+    """The signature without annotations: parameter names, kinds and defaults (what callers see), with
+    no memory addresses (``<function f at 0x...>`` defaults), so that the same torch gives the same file."""
     sig = inspect.signature(value)  # type: ignore[arg-type]
     params = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
-    return str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty))
+    return _ADDRESS.sub(">", str(sig.replace(parameters=params, return_annotation=inspect.Signature.empty)))
+
+
+def _members(cls: type) -> List[str]:
+    """Every attribute name of ``cls`` (inherited ones too), dunders aside but ``__init__``'s parameters."""
+    return sorted(n for n in dir(cls) if not (n.startswith("__") and n.endswith("__")))
+
+
+def _init_params(cls: type) -> Optional[str]:
+    init = cls.__dict__.get("__init__") or getattr(cls, "__init__", None)
+    if init is None or init is object.__init__:
+        return None
+    try:
+        return _call_shape(init)
+    except (TypeError, ValueError):
+        return None
+
+
+def class_members(modules: Dict[str, Dict[str, object]]) -> Dict[str, object]:
+    """The members of the classes the modules under MEMBER_ROOTS expose, and of the big bases once."""
+    bases = {}
+    for spec in BIG_BASES:
+        module, _, qualname = spec.partition(":")
+        bases[spec] = getattr(importlib.import_module(module), qualname)
+    classes: Dict[str, object] = {}
+    for name in sorted(modules):
+        if not name.startswith(MEMBER_ROOTS):
+            continue
+        module = sys.modules.get(name)
+        for attr in sorted(modules[name]):
+            value = getattr(module, attr, None)
+            key = _describe(value)
+            if not inspect.isclass(value) or not key or key in classes or not key.startswith("torch"):
+                continue
+            extends = [spec for spec, base in bases.items() if issubclass(value, base)]
+            inherited = set().union(*(dir(bases[spec]) for spec in extends))
+            classes[key] = {"members": [m for m in _members(value) if m not in inherited],
+                            "init": _init_params(value), "extends": extends}
+    return {"classes": classes, "bases": {spec: _members(base) for spec, base in bases.items()}}
 
 
 def module_names() -> List[str]:
@@ -101,7 +153,7 @@ def inventory() -> Dict[str, object]:
             modules[name] = {a: _describe(getattr(module, a, None)) for a in dir(module) if not a.startswith("__")}
     return {"torch": torch.__version__.split("+")[0], "python": "%d.%d" % sys.version_info[:2],
             "modules": modules, "signatures": signatures, "failing": failing,
-            "walked": WALK, "walk_skips": list(SKIP_PARTS)}
+            "walked": WALK, "walk_skips": list(SKIP_PARTS), **class_members(modules)}
 
 
 def main() -> int:
@@ -114,7 +166,8 @@ def main() -> int:
     payload = json.dumps(data, sort_keys=True, separators=(",", ":")).encode()
     with open(out, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as fh:  # reproducible bytes
         fh.write(payload)
-    print(f"{out}: {len(data['modules'])} modules, {len(data['failing'])} failing to import")
+    print(f"{out}: {len(data['modules'])} modules, {len(data['failing'])} failing to import, "
+          f"members of {len(data['classes'])} classes")
     return 0
 
 
