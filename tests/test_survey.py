@@ -129,7 +129,12 @@ EXPECTED: Dict[str, Dict[str, List[Fails]]] = {
         ],
     },
 }
-EXPECTED["2.13"] = EXPECTED["2.9"]
+# torch 2.13-2.15 fail where 2.9 does, and nowhere else: what 2.14 and 2.15 removed (the profilers'
+# use_cuda, torch.compile's shapes_spec, torch.profiler._pattern_matcher, ...) is not met at import
+# time by these repositories. Measured rates, TORCHPATCH unset -> 1: titan2406 19/23 -> 23/23,
+# titan2502 30/30, opendit 26/26, opensora 12/17 -> 17/17 on 2.13.0, 2.14.1 and 2.15.0 alike.
+for _minor in ("2.13", "2.14", "2.15"):
+    EXPECTED[_minor] = EXPECTED["2.9"]
 
 
 @pytest.fixture(scope="module")
