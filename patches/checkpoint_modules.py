@@ -89,6 +89,9 @@ class Stateful(Protocol):
         ...
 
 
+PATCH.sets("torch.distributed.checkpoint.stateful", ("Stateful",))
+
+
 @PATCH.module("torch.distributed.checkpoint.stateful")
 def build_stateful(module: ModuleType) -> None:
     module.Stateful = Stateful
@@ -659,6 +662,9 @@ def set_state_dict(model: "nn.Module", optimizers: Any, *, model_state_dict: Dic
 
 STATE_DICT_API = (StateDictOptions, get_model_state_dict, get_optimizer_state_dict, get_state_dict,
                   set_model_state_dict, set_optimizer_state_dict, set_state_dict)
+
+
+PATCH.sets("torch.distributed.checkpoint.state_dict", [obj.__name__ for obj in STATE_DICT_API])
 
 
 @PATCH.module("torch.distributed.checkpoint.state_dict")

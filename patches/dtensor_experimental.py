@@ -214,6 +214,9 @@ def local_map(func: Callable[..., Any], out_placements: OutputPlacements,
     return wrapped
 
 
+PATCH.sets("torch.distributed._tensor.experimental", ("implicit_replication",))
+
+
 @PATCH.module("torch.distributed._tensor.experimental")
 def build(module: ModuleType) -> None:
     module.implicit_replication = implicit_replication

@@ -85,6 +85,9 @@ def manual_seed(seed: int, device_mesh: Any) -> None:
     torch.manual_seed(seed)
 
 
+PATCH.sets(MODULE, ("is_rng_supported_mesh", "manual_seed"))
+
+
 @PATCH.module(MODULE)
 def build(module: ModuleType) -> None:
     from torch.distributed._tensor import random

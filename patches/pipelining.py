@@ -71,6 +71,12 @@ def _fill(module: ModuleType, names: tuple) -> None:
     module.__all__ = [n for n in names if not n.startswith("_") and n != "DEFAULT_CHUNK_DIM"]
 
 
+PATCH.sets(PACKAGE, TOP)
+PATCH.sets(f"{PACKAGE}.microbatch", MICROBATCH)
+PATCH.sets(f"{PACKAGE}.stage", STAGE)
+PATCH.sets(f"{PACKAGE}.schedules", SCHEDULES + ("get_schedule_class",))
+
+
 @PATCH.module(PACKAGE)
 def build_package(module: ModuleType) -> None:
     _fill(module, TOP)

@@ -137,6 +137,9 @@ def sdpa_kernel(backends: Union[List[Any], Any], set_priority: bool = False) -> 
         _set_flags(previous)
 
 
+PATCH.sets("torch.nn.attention", ("SDPBackend", "sdpa_kernel"))
+
+
 @PATCH.module("torch.nn.attention")
 def build_attention(module: ModuleType) -> None:
     module.__doc__ = ("This module contains functions and classes that alter the behavior of "

@@ -35,6 +35,9 @@ def with_metaclass(meta: type, *bases: type) -> type:
     return type.__new__(metaclass, "temporary_class", (), {})
 
 
+PATCH.sets("torch._six", ("inf", "nan", "string_classes", "int_classes", "container_abcs", "with_metaclass"))
+
+
 @PATCH.module("torch._six")
 def build(module: ModuleType) -> None:
     module.inf = math.inf

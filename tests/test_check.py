@@ -1,6 +1,7 @@
 """``torchpatch check``: the scan of fixture training repositories (tests/fixtures/check), run as the
 real command, against the installed torch (each row checked by importing the name, with torchpatch
-off and on) and against inventoried torches that need not be installed (--torch)."""
+off and on) and against inventoried torches that need not be installed (--torch). Members and
+constructor calls: test_check_members.py; shims: test_check_shims.py; the helper: test_check_live.py."""
 
 import gzip
 import json
@@ -11,6 +12,7 @@ import pytest
 
 from conftest import HERE, REPO, TORCH, clean_env, run_json
 from torchpatch import _versions
+from torchpatch._check.target import pick_version
 
 FIXTURES = HERE / "fixtures" / "check"
 TRAINER = FIXTURES / "trainer"
@@ -39,6 +41,12 @@ def inventory(version):
     return json.loads(gzip.decompress((INVENTORY / f"torch-{version}.json.gz").read_bytes()))
 
 
+def inventoried():
+    """The inventoried torch versions, oldest first, as the directory has them."""
+    found = [p.name[len("torch-"):-len(".json.gz")] for p in INVENTORY.glob("torch-*.json.gz")]
+    return sorted(found, key=_versions.release)
+
+
 OFF = clean_env(TORCHPATCH_DISABLE="*")  # torch alone: what each row says without the catalogue
 
 # What the trainer fixture uses that is not native on each inventoried torch, with the catalogue
@@ -46,7 +54,6 @@ OFF = clean_env(TORCHPATCH_DISABLE="*")  # torch alone: what each row says witho
 # (the fixture's comments say which version brought what) or about the guard around it.
 OPS = {"torch.ops._c10d_functional.reduce_scatter_tensor": "unknown", "torch.ops.aten.mm": "unknown",
        "torch.ops.trainer_kernels.fused_rmsnorm": "unknown"}  # an inventory has no operator list
-DATA = {f"torch.utils.data.{n}": "unknown" for n in ("DataLoader", "Dataset", "DistributedSampler")}  # not walked
 PUBLIC_DTENSOR = {f"torch.distributed.tensor.{n}": "unresolved" for n in ("DTensor", "Replicate", "Shard")}  # 2.5
 NOT_NATIVE = {
     "2.4.1": {
@@ -55,7 +62,7 @@ NOT_NATIVE = {
         "torch.distributed.tensor.experimental.context_parallel": "guarded",  # 2.5; behind a version test
         "torch.distributed.tensor.experimental.local_map": "guarded",  # 2.5; under contextlib.suppress
         "torch._six": "unknown",  # gone since 2.0, but torch's own submodules are not walked
-        **OPS, **DATA,
+        **OPS,
     },
     "2.1.2": {
         **PUBLIC_DTENSOR,
@@ -67,6 +74,7 @@ NOT_NATIVE = {
         "torch.distributed.checkpoint.state_dict.set_state_dict": "unresolved",
         "torch.distributed.checkpoint.stateful.Stateful": "unresolved",
         "torch.distributed.device_mesh.init_device_mesh": "unresolved",  # 2.1 has it as _tensor.device_mesh
+        "torch.distributed.tensor.parallel.RowwiseParallel.__init__": "unresolved",  # output_layouts=: 2.2
         "torch.uint32": "unresolved",  # 2.3
         "torch.distributed.fsdp.fully_shard": "guarded",
         "torch.distributed.tensor.experimental.context_parallel": "guarded",
@@ -76,7 +84,7 @@ NOT_NATIVE = {
         "torch.nn.attention.sdpa_kernel": "guarded",
         "torch.uint64": "guarded",  # behind hasattr in a conditional expression
         "torch._six": "unknown",
-        **OPS, **DATA,
+        **OPS,
     },
     "1.13.1": {
         **PUBLIC_DTENSOR,
@@ -103,7 +111,7 @@ NOT_NATIVE = {
         "torch.nn.attention.sdpa_kernel": "guarded",
         "torch.uint64": "guarded",
         "torch._six.inf": "unknown",  # torch._six exists, but its names are not inventoried
-        **OPS, **DATA,
+        **OPS,
     },
 }
 
@@ -126,14 +134,16 @@ def test_inventoried_torch(version):
 def test_patched_rows_are_the_catalogues_doing(version):
     """With the catalogue on, a row changes only to "patched", naming the patches that serve it
     (switched off, that row is what torch alone gives and says which patch would serve it), or to
-    "unknown" where a patch serves it as a module the inventory could not import."""
+    "unknown" where a patch serves it as a module the inventory could not import, or as a shim
+    module that declares none of its names."""
     off = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import", env=OFF)["rows"]}
     on = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import")["rows"]}
     catalogue = {r["id"]: r for r in json.loads(subprocess.run(
         [sys.executable, "-m", "torchpatch", "list", "--json"], capture_output=True, text=True, env=clean_env()).stdout)}
     for name, row in on.items():
         if row["kind"] != "patched":
-            undecided = row["kind"] == "unknown" and " serves it as " in row["note"]  # a served module's target
+            undecided = row["kind"] == "unknown" and (" serves it as " in row["note"]  # a served module's target
+                                                      or "declares none of its names" in row["note"])
             assert off.get(name, {}).get("kind") == row["kind"] or undecided, (name, row)
             continue
         assert row["patches"] and all(_versions.matches(catalogue[p]["torch"], version) for p in row["patches"])
@@ -144,21 +154,34 @@ def test_patched_rows_are_the_catalogues_doing(version):
     patched = {n for n, r in on.items() if r["kind"] == "patched"}
     # the catalogue's long-standing patches, on the torch versions they are for
     expected = {
-        "2.4.1": {"torch.distributed.tensor.DTensor", "torch._six.inf"},
+        "2.4.1": {"torch.distributed.tensor.DTensor"},
         "2.1.2": {"torch.distributed.tensor.DTensor", "torch.distributed.device_mesh.init_device_mesh",
-                  "torch.distributed.checkpoint.save", "torch.distributed.checkpoint.stateful.Stateful"},
+                  "torch.distributed.checkpoint.save"},
         "1.13.1": set(),  # torch.distributed.checkpoint is served as _shard.checkpoint, which did not import there
     }[version]
     assert expected <= patched
+    # names in shim modules: patched where the shim declares its names, else undecided
+    in_shims = {"2.4.1": {"torch._six.inf": "torch._six"},
+                "2.1.2": {"torch.distributed.checkpoint.stateful.Stateful": "torch.distributed.checkpoint.stateful"},
+                "1.13.1": {}}[version]
+    declared = run_json(f"""
+        import json
+        from torchpatch._check.serving import Serving
+        from torchpatch._config import Config
+        from torchpatch._registry import all_patches
+        print(json.dumps(sorted(Serving.for_torch({version!r}, all_patches(), Config()).declared)))
+        """)
+    for name, shim in in_shims.items():
+        assert on[name]["kind"] == ("patched" if shim in declared else "unknown"), on[name]
 
 
 def test_rows_name_versions_guards_and_what_cannot_be_backported():
     data = report(TRAINER, "--torch", "2.1.2", "--no-import")
     rows = {r["name"]: r for r in data["rows"]}
     fsdp2 = rows["torch.distributed._composable.fsdp.fully_shard"]
-    have = [v for v in ("1.13.1", "2.1.2", "2.4.1", "2.9.0", "2.13.0")
+    have = [v for v in inventoried()
             if "fully_shard" in inventory(v)["modules"].get("torch.distributed._composable.fsdp", {})]
-    assert fsdp2["exists_in"] == have == ["2.4.1", "2.9.0", "2.13.0"]
+    assert fsdp2["exists_in"] == have and {"2.4.1", "2.9.0", "2.13.0"} <= set(have) and "2.1.2" not in have
     assert fsdp2["not_backportable"]["torch"] == ">=2.4" and "FSDP2" in fsdp2["not_backportable"]["what"]
     assert fsdp2["locations"] == [{"file": "trainer/trainer/parallel.py", "line": 11}]
     assert not fsdp2["guarded"]  # an except-branch whose try-branch fails here runs
@@ -227,7 +250,7 @@ def test_installed_torch_rows_match_what_importing_finds():
     """The reference: each name looked up for real, with torchpatch off and then on."""
     data = report(TRAINER)
     assert data["installed"] == TORCH and "installed torch" in data["source"]
-    rows = [r for r in data["rows"] if r["kind"] != "unknown"]
+    rows = [r for r in data["rows"] if r["kind"] != "unknown" and not r["name"].endswith(".__init__")]  # names
     names = json.dumps([r["name"] for r in rows])
     off = run_json(PROBE, args=[names], env=clean_env(), cwd=FIXTURES)
     on = run_json(PROBE, args=[names], env=clean_env(TORCHPATCH="1", TORCHPATCH_LOG="off"), cwd=FIXTURES)
@@ -254,20 +277,43 @@ def test_clean_repository_exits_zero_and_reports_the_file_that_does_not_parse():
 def test_text_report_and_usage_errors():
     proc = check(TRAINER, "--torch", "1.13.1", "--no-import", env=OFF)
     assert proc.returncode == 1
+    data = report(TRAINER, "--torch", "1.13.1", "--no-import", env=OFF)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("torchpatch check: 8 files (6 use torch), 57 torch names") and "torch 1.13.1" in lines[0]
+    assert lines[0].startswith(f"torchpatch check: 8 files (6 use torch), {len(data['rows'])} torch names")
+    assert "torch 1.13.1" in lines[0]
     first = [line.split()[0] for line in lines[1:] if line.startswith("  ") and not line.startswith("   ")]
     assert first == sorted(first, key=["unresolved", "guarded", "unknown", "patched", "native", "skipped"].index)
     assert any("not backportable: FSDP2 (fully_shard), torch >=2.4" in line for line in lines)
-    assert lines[-1] == "17 unresolved, 8 guarded, 7 unknown, 0 patched, 25 native; exit 1"
+    counts = data["counts"]
+    assert counts["unresolved"] == 17 and counts["patched"] == 0
+    assert lines[-1] == (f"17 unresolved, {counts['guarded']} guarded, {counts['unknown']} unknown, 0 patched, "
+                         f"{counts['native']} native; exit 1")
 
-    bad = check(TRAINER, "--torch", "3.99")
-    assert bad.returncode == 2 and "inventoried 1.13.1, 2.1.2, 2.4.1, 2.9.0, 2.13.0" in bad.stderr
     assert check(FIXTURES / "nope").returncode == 2
     help_text = check("--help").stdout
     for text in ("native", "patched", "unresolved", "guarded", "unknown", "--torch", "--json", "--no-import",
-                 "Exit status: 0", "try/except ImportError", "hasattr", "TORCH_VERSION"):
+                 "Exit status: 0", "try/except ImportError", "hasattr", "TORCH_VERSION", "members",
+                 "TORCHPATCH_CHECK_TIMEOUT", "X.Y"):
         assert text in help_text, text
+
+
+def test_torch_version_names_a_release_or_the_newest_of_a_minor():
+    known = inventoried()
+    for minor in {".".join(v.split(".")[:2]) for v in known}:
+        newest = max((v for v in known if v.startswith(minor + ".")), key=_versions.release)
+        if not TORCH or _versions.release(TORCH)[:2] != _versions.release(minor):  # else: the installed one
+            assert report(CLEAN, "--torch", minor, "--no-import")["torch"] == newest, minor
+    assert report(CLEAN, "--torch", known[0], "--no-import")["torch"] == known[0]
+    for bad in ("3.99", "2.4.7", "2", "latest"):
+        proc = check(CLEAN, "--torch", bad)
+        assert proc.returncode == 2 and f"inventoried {', '.join(known)}" in proc.stderr, (bad, proc.stderr)
+    # the choice itself: the installed torch counts as a release of its minor
+    assert pick_version("2.9", None, ["2.1.2", "2.9.0", "2.9.1"]) == "2.9.1"
+    assert pick_version("2.9.0", None, ["2.9.0", "2.9.1"]) == "2.9.0"
+    assert pick_version("2.9", "2.9.2", ["2.9.0", "2.9.1"]) == "2.9.2"
+    assert pick_version("2.10", None, ["2.1.2", "2.10.0"]) == "2.10.0"  # 2.1 is not a prefix of 2.10
+    with pytest.raises(ValueError, match="neither installed nor inventoried: installed 2.13.0; inventoried 2.1.2"):
+        pick_version("2.2", "2.13.0", ["2.1.2"])
 
 
 def test_check_never_imports_torch_in_its_own_process():

@@ -61,6 +61,16 @@ def _hazards(torch: Optional[str]) -> List[str]:
     return found
 
 
+def _untested(torch: Optional[str], newest: str, plans: List[PatchPlan]) -> List[str]:
+    """A warning where ``torch`` is newer than ``newest``, the newest torch the catalogue was tested
+    on: every patch that applies to it has an open-ended version range."""
+    if not _versions.matches(f">{newest}", torch):
+        return []
+    applying = ", ".join(p.patch.id for p in plans if p.applies) or "none"
+    return [f"torch {torch} is newer than the newest torch this catalogue was tested on ({newest}):"
+            f" the patches whose version range is open-ended apply untested ({applying})"]
+
+
 def _not_backportable(torch: Optional[str]) -> List[Dict[str, str]]:
     """Features this torch lacks that torchpatch cannot serve (patches/not_backportable.json)."""
     from ._check import not_backportable
@@ -102,6 +112,8 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    from .patches import NEWEST_TESTED_TORCH
+
     cfg = Config.from_environ()
     plans = plan(cfg=cfg)
     torch = _versions.torch_version()
@@ -118,7 +130,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "log_level": cfg.log_level,
         "would_apply": [p.patch.id for p in plans if p.active],
         "switched_off": {p.patch.id: p.decision.reason for p in plans if p.applies and not p.decision.enabled},
-        "warnings": cfg.warnings,
+        "newest_tested_torch": NEWEST_TESTED_TORCH,
+        "warnings": cfg.warnings + _untested(torch, NEWEST_TESTED_TORCH, plans),
         "hazards": _hazards(torch),
         "not_backportable": _not_backportable(torch),
     }
@@ -163,8 +176,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 CHECK_HELP = """\
 Scan PATH... (directories: every .py file, hidden directories and virtual environments skipped) for
 the torch names the code uses, without running it: `import torch.x.y`, `from torch.x import a`,
-attribute chains on imported torch modules (`dist.fsdp.fully_shard`), `torch.ops.<ns>.<op>`. Each
-distinct name gets one row:
+attribute chains on imported torch modules (`dist.fsdp.fully_shard`), `torch.ops.<ns>.<op>`; and the
+members used on values of torch.distributed's classes where the code makes the class evident (`mesh =
+init_device_mesh(...)`, `mesh["dp"]`, `def f(mesh: DeviceMesh)`, inside `if isinstance(x, DTensor):`),
+with the calls of those classes checked against their __init__ (`DeviceMesh.get_local_rank`,
+`PipelineStage.__init__`). Each distinct name gets one row:
 
   native      the torch checked against has it
   patched     torchpatch serves it there (the patch is named; needs TORCHPATCH=1 at run time)
@@ -182,27 +198,32 @@ distinct name gets one row:
 Against the installed torch (default), what exists comes from its inventory in the catalogue when
 there is one, and otherwise from a helper interpreter that imports torch once, with torchpatch off
 (--no-import: never; those names stay unknown). --torch VERSION checks against an inventoried torch
-that need not be installed. Patches count as on or off the way the TORCHPATCH_* variables of this
-shell say, whether TORCHPATCH itself is set or not.
+that need not be installed: X.Y.Z exactly, X.Y the newest inventoried X.Y.*. Patches count as on or
+off the way the TORCHPATCH_* variables of this shell say, whether TORCHPATCH itself is set or not.
 
-Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error. A file that does not
-parse is reported and skipped; it does not change the exit status by itself.
+Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error or when the helper that
+imports torch gives no answer within TORCHPATCH_CHECK_TIMEOUT seconds (default 60). A file that
+does not parse is reported and skipped; it does not change the exit status by itself.
 """
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     from . import _check
 
-    try:
-        target = _check.choose_target(args.torch, live=not args.no_import)
-    except ValueError as exc:
-        print(f"torchpatch check: {exc}", file=sys.stderr)
-        return 2
     missing = [p for p in args.paths if not os.path.exists(p)]
     if missing:
         print(f"torchpatch check: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
-    report = _check.check(args.paths, target)
+    try:
+        target = _check.choose_target(args.torch, live=not args.no_import)
+    except (ValueError, _check.CheckError) as exc:  # no such torch; a bad TORCHPATCH_CHECK_TIMEOUT
+        print(f"torchpatch check: {exc}", file=sys.stderr)
+        return 2
+    try:
+        report = _check.check(args.paths, target)
+    except _check.CheckError as exc:  # the helper that imports torch did not answer
+        print(f"torchpatch check: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(report) if args.json else _check.format_text(report))  # one line: the C encoder
     return int(report["exit"])
 
@@ -238,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ._check import inventory_files
 
     p.add_argument("--torch", metavar="VERSION",
-                   help="check against this inventoried torch instead of the installed one (e.g. 2.1.2, or 2.1);"
-                   f" inventoried: {', '.join(inventory_files())}")
+                   help="check against this torch instead of the installed one: X.Y.Z, or X.Y for the newest"
+                   f" inventoried X.Y.*; inventoried: {', '.join(inventory_files())}")
     p.add_argument("--no-import", action="store_true",
                    help="never import the installed torch: names its inventory cannot decide are reported unknown")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")

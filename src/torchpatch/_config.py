@@ -13,7 +13,8 @@ from ._patch import switch_name
 if TYPE_CHECKING:
     from ._patch import Patch
 
-RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG")
+RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG",
+            "TORCHPATCH_CHECK_TIMEOUT")  # the last one is read by `torchpatch check`, not at run time
 LOG_LEVELS = ("debug", "info", "warning", "off")
 
 

@@ -155,9 +155,11 @@ class Patch:
         return register
 
     def sets(self, module: str, names: Iterable[str], torch: str = "") -> None:
-        """Declare that a hook of this patch sets ``module.<name>``, for each of ``names``, where
-        torch lacks it (with ``torch``, only on the versions that specifier admits). This serves
-        nothing by itself: it lets ``torchpatch check`` see names that a hook sets."""
+        """Declare that this patch sets ``module.<name>``, for each of ``names``, where torch lacks
+        it (with ``torch``, only on the versions that specifier admits): names a hook sets, the names
+        a module builder puts in the module it serves, and ``"module.Class"`` members. This serves
+        nothing by itself: it lets ``torchpatch check`` see them (a name in a served module that is
+        not declared is never reported as served)."""
         self.hook_symbols += [(module, name, torch) for name in names]
 
     def on_import(self, module: str) -> Callable[[ImportHook], ImportHook]:
