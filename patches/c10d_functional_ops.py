@@ -39,7 +39,8 @@ Fix:           register real operators in the ``_c10d_functional`` namespace wit
                  case, as torch's; ``group_size`` must be the group's size.
                - Gradients as torch 2.13 defines them (once its functional collectives are imported):
                  all_reduce("sum") is its own backward, all_gather_into_tensor and
-                 reduce_scatter_tensor("sum") are each other's (other reductions raise in backward),
+                 reduce_scatter_tensor("sum") are each other's (other reductions raise in backward;
+                 torch 2.14 differentiates all_reduce("avg") too, 2.15 also "min" and "max"),
                  all_to_all_single swaps its splits, the coalesced ops differentiate tensor by tensor,
                  ``wait_tensor`` passes the gradient on. ``broadcast`` and the in-place ops have no
                  backward formula, as in torch 2.13: autograd passes their gradient through unchanged

@@ -12,7 +12,8 @@ Torch:         of the ten functions served here (all_reduce, all_gather_tensor, 
                all_reduce_coalesced, wait_tensor, broadcast, permute_tensor), torch lacks
                    1.13.1         the whole module (it arrived in 2.0)
                    2.1.2          all_to_all_single, broadcast, permute_tensor
-                   2.4.1, 2.9.0   none, nor does 2.13.0 (the reference): there the patch stays inactive
+                   2.4.1, 2.9.0   none, nor do 2.13.0 (the reference), 2.14.1 and 2.15.0: there the
+                                  patch stays inactive
 Fix:           where the module is missing, serve it with all ten; where it exists, serve only the
                functions it lacks (torch's own are never replaced). Signatures are torch 2.13's; behaviour:
                - Synchronous: each call finishes its collective and returns a new plain tensor (torch
@@ -25,7 +26,8 @@ Fix:           where the module is missing, serve it with all ten; where it exis
                  (torch >= 2.1). ``tag`` is accepted and ignored (torch deprecated it).
                - Differentiable as in torch 2.13: all_gather and reduce_scatter("sum") are each other's
                  backward, all_reduce("sum") its own, all_to_all_single the one with swapped splits (other
-                 reductions raise in backward, as torch's do); broadcast's gradient is the sum of the
+                 reductions raise in backward, as torch 2.13's do; torch 2.14 differentiates
+                 all_reduce("avg") too, 2.15 also "min" and "max"); broadcast's gradient is the sum of the
                  output gradients on the source rank and zero elsewhere (torch 2.13 has none registered
                  and warns while passing gradients through unchanged). Usable inside a custom
                  ``autograd.Function``'s forward and backward.

@@ -3,20 +3,23 @@
 What breaks:   a gloo job's rank dies as it exits with ``terminate called without an active
                exception`` and SIGABRT (exit code -6 / 134), so torchrun reports the whole run as
                failed after it finished. It is a race: 5 of 16 runs of a 2-rank script with a live
-               subgroup on torch 2.13.0 (gloo, CPU), 0 of 20 with torchpatch.
+               subgroup on torch 2.13.0 (gloo, CPU), 0 of 20 with torchpatch; 5 of 10 runs of one
+               that drops an async all_reduce and exits, on 2.14.1 and on 2.15.0, 0 of 10 with it.
 Why:           since the PyObject preservation rework (torch 2.10) a C++ reference to a tensor that
                has a Python object also holds that Python object, so dropping it needs the GIL.
                Gloo's worker thread (``pt_gloo_runloop``) drops its references to a collective's
                tensors just after the collective completes. If the main thread reaches interpreter
                finalisation first (CPython lets a waiting thread ask for the GIL only after 5 ms),
                the worker, still waiting in ``take_gil``, is ended by ``pthread_exit`` inside a
-               ``noexcept`` destructor: ``std::terminate``.
-Torch:         2.10 and later (2.13.0 measured). Before the rework only a tensor whose last reference
-               is the worker's needs the GIL (an async collective on a temporary, its handle dropped,
-               then exit at once): that narrower race aborts on 1.13 to 2.9 as well, but their
-               worker threads are unnamed and cannot be told apart, so they are left alone; the
-               common case (the tensor still alive in Python) never aborted there (0 of 20 runs on
-               2.9.0).
+               ``noexcept`` destructor (``std::terminate``) once it gets the GIL, or its wait times
+               out, during finalisation: when finalisation releases the GIL (a finalizer that
+               waits, or a tensor's deallocation, too briefly to lose every time) or lasts 5 ms.
+Torch:         2.10 and later (2.13.0, 2.14.1 and 2.15.0 measured). Before the rework only a tensor
+               whose last reference is the worker's needs the GIL (an async collective on a
+               temporary, its handle dropped, then exit at once): that narrower race aborts on 1.13
+               to 2.9 as well, but their worker threads are unnamed and cannot be told apart, so
+               they are left alone; the common case (the tensor still alive in Python) never
+               aborted there (0 of 20 runs on 2.9.0).
 Fix:           an ``atexit`` callback (atexit runs before finalisation starts) hands the GIL to
                gloo's workers: it sleeps in 10 ms steps, which releases the GIL, until no worker
                thread has woken up during a step (their context-switch counts in
@@ -25,7 +28,7 @@ Fix:           an ``atexit`` callback (atexit runs before finalisation starts) h
                one fixed 50 ms step instead. A collective still waiting for its peers at exit is
                not waited for (its worker is as still as an idle one).
 Upstream:      the rework: https://github.com/pytorch/pytorch/pull/167564 (no fix for gloo's
-               worker threads as of torch 2.13.0)
+               worker threads as of torch 2.15.0)
 """
 
 import atexit

@@ -1,10 +1,13 @@
 """The ``torchpatch`` command: list, doctor, run, --help."""
 
 import json
+import re
 import subprocess
 import sys
 
-from conftest import REPO, TORCH, clean_env, run_py, torch_matches
+from conftest import REPO, TORCH, clean_env, run_json, run_py, torch_matches
+from torchpatch import _versions
+from torchpatch.patches import NEWEST_TESTED_TORCH
 
 
 def cli(*args, env=None):
@@ -55,6 +58,45 @@ def test_doctor_names_the_numpy_hazard():
     ).stdout.splitlines()
     assert "numpy 2.1.0 beside torch 2.1.2+cu121" in out[0] and "numpy<2" in out[0]
     assert out[1] == "[]"
+
+
+# ``torchpatch doctor`` on each torch version given, faked where doctor (and the plan) read it.
+DOCTOR_ON = """
+import contextlib, io, json, sys
+from torchpatch import _cli, _versions
+out = {}
+for version in sys.argv[1:]:
+    _versions.torch_version = lambda: version
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        _cli.main(["doctor"])
+    with contextlib.redirect_stdout(io.StringIO()) as report:
+        _cli.main(["doctor", "--json"])
+    out[version] = {"lines": [line for line in text.getvalue().splitlines() if line.startswith("warning")],
+                    "report": json.loads(report.getvalue())}
+print(json.dumps(out))
+"""
+
+
+def test_doctor_warns_on_a_torch_newer_than_the_tested_ones():
+    major, minor = _versions.release(NEWEST_TESTED_TORCH)[:2]
+    newer, nightly = f"{major}.{minor + 1}.0", f"{major}.{minor + 1}.0a0+git1234567"
+    out = run_json(DOCTOR_ON, args=[newer, nightly, NEWEST_TESTED_TORCH, TORCH])
+    for version in (newer, nightly):
+        report = out[version]["report"]
+        assert report["torch"] == version and report["newest_tested_torch"] == NEWEST_TESTED_TORCH
+        warning, = [w for w in report["warnings"] if "newer than" in w]
+        assert warning.startswith(f"torch {version} is newer than the newest torch this catalogue was tested on "
+                                  f"({NEWEST_TESTED_TORCH}): the patches whose version range is open-ended apply untested (")
+        assert "processgroup-deepcopy" in warning and "sdpa-backport" not in warning  # >=1.13 applies, <2.3 not
+        assert out[version]["lines"] == [f"warning      {warning}"]
+    for version in (NEWEST_TESTED_TORCH, TORCH):  # tested: no warning
+        assert out[version]["lines"] == [] and out[version]["report"]["warnings"] == []
+
+
+def test_newest_tested_torch_is_the_newest_of_the_matrix():
+    matrix = re.findall(r'^\s*"(\d+\.\d+\.\d+)":', (REPO / "noxfile.py").read_text(), re.M)
+    assert max(matrix, key=_versions.release) == NEWEST_TESTED_TORCH
 
 
 def test_run_activates_and_passes_arguments():

@@ -138,7 +138,9 @@ def grad_check(name, fn, inputs, want):
         grads[name] = f"{type(exc).__name__}: {exc}"
 every_rank = range(G)
 grad_check("all_reduce", lambda x: ops.all_reduce(x, "sum", W), [X[me]], [sum(weight(r, (4, 3), 0) for r in every_rank)])
-grad_check("all_reduce_max", lambda x: ops.all_reduce(x, "max", W), [X[me]], None)
+top = torch.stack(X).max(0).values  # torch 2.15's gradient of "max": to the ranks holding it, split among ties
+grad_check("all_reduce_max", lambda x: ops.all_reduce(x, "max", W), [X[me]],
+           [torch.where(X[me] == top, sum(weight(r, (4, 3), 0) for r in every_rank) / (torch.stack(X) == top).sum(0), 0.0)])
 grad_check("all_gather_into_tensor", lambda x: ops.all_gather_into_tensor(x, G, W), [X[me]],
            [sum(weight(r, (4 * G, 3), 0) for r in every_rank).chunk(G)[me]])
 grad_check("reduce_scatter_tensor", lambda x: ops.reduce_scatter_tensor(x, "sum", G, W), [X[me]],
@@ -202,6 +204,11 @@ EXPECTED_GRADS.update({
     "all_reduce_max": "RuntimeError: all_reduce backward only supports 'sum' reduction, got 'max'",
     "reduce_scatter_tensor_avg": "RuntimeError: reduce_scatter_tensor backward only supports 'sum' reduction, got 'avg'",
 })
+if torch_matches(">=2.15"):  # torch 2.15 differentiates "min" and "max": https://github.com/pytorch/pytorch/pull/190942
+    EXPECTED_GRADS["all_reduce_max"] = True
+elif torch_matches(">=2.14"):  # torch 2.14 differentiates all_reduce("avg") too, and says so refusing "max":
+    # https://github.com/pytorch/pytorch/pull/190224 (commit 3869cbbc24bf2595f8ad9fcca7452828574fcc79)
+    EXPECTED_GRADS["all_reduce_max"] = "RuntimeError: all_reduce backward only supports 'sum' and 'avg' reductions, got 'max'"
 
 
 def run(tmp_path):

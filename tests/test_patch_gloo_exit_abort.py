@@ -1,13 +1,23 @@
 """gloo-exit-abort: gloo's worker thread must not be killed waiting for the GIL at interpreter exit.
 
-The race is made certain rather than likely, also on a loaded machine. Rank 0 posts an async
-all_reduce and drops its handle, so gloo's worker will hold the last reference to the work. Only
-then does rank 1 join (it waits for a store key), and rank 0 keeps the GIL (pure Python, numpy reads
-of the result, a long switch interval) from before the collective completes until the script ends:
-the worker finishes the collective, then waits for the GIL to release the tensor, and Python
-finalises under it. The tensor is still alive in Python: the common form of the race, which needs
-the GIL only from torch 2.10 on. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off):
-writing it at exit releases the GIL too, and would hide whether the patch is what helps.
+The abort needs two things: gloo's worker waits for the GIL when interpreter finalisation begins,
+and it then gets the GIL (or wakes up) while finalisation runs, whereupon CPython ends the thread.
+Both are made certain, whatever the machine's load, by ordering alone:
+
+- rank 0 posts an async all_reduce and drops its handle, so gloo's worker holds the last reference
+  to the work. Only then does rank 1 join: it waits for a byte that rank 0 writes into a shared
+  ``mmap`` (a store call would release rank 0's GIL). From that write on, rank 0 keeps the GIL (pure
+  Python, numpy reads of the result, a long switch interval) until Python finalises: the worker
+  finishes the collective and waits for the GIL to release the tensor, which is still alive in
+  Python (the common form of the race: it needs the GIL only from torch 2.10 on).
+- during finalisation a finalizer of rank 0's ``__main__`` releases the GIL for 0.5 s, as any
+  finalizer that waits does. Finalisation otherwise releases it only briefly (a tensor's
+  deallocation), and the main thread may take it back first: without this step rank 0 aborted in
+  9 of 10 runs on torch 2.13.0 and on 2.14.1.
+
+Rank 1 leaves with ``os._exit`` once rank 0 has the result, so that its own worker cannot abort it
+first. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off): writing it at exit
+releases the GIL too, and would hide whether the patch is what helps.
 """
 
 import signal
@@ -15,10 +25,11 @@ import signal
 from conftest import clean_env, launch, only_torch
 
 SCRIPT = """
-import json, sys, time, torch, torch.distributed as dist, torchpatch
+import json, mmap, os, sys, time, torch, torch.distributed as dist, torchpatch
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-store = dist.distributed_c10d._get_default_store()
+with open(os.environ["GLOO_EXIT_FLAGS"], "r+b") as f:
+    flags = mmap.mmap(f.fileno(), 2)  # [0]: rank 0 posted; [1]: rank 0 has the result
 patch = sys.modules.get("torchpatch.patches.gloo_exit_abort")
 workers, deadline = None, time.monotonic() + 10
 while patch is not None and time.monotonic() < deadline:  # threads name themselves when first run
@@ -27,28 +38,36 @@ while patch is not None and time.monotonic() < deadline:  # threads name themsel
         break
     time.sleep(0.01)
 if rank == 1:
-    store.wait(["posted"])
+    while flags[0] == 0:
+        time.sleep(0.001)
     dist.all_reduce(torch.ones(4))
-    raise SystemExit(0)
+    while flags[1] == 0:
+        time.sleep(0.001)
+    os._exit(0)
+
+class ReleasesTheGilAtShutdown:
+    def __del__(self, sleep=time.sleep):  # runs while __main__ is torn down, after finalisation began
+        sleep(0.5)
+
+shutdown = ReleasesTheGilAtShutdown()
 print(json.dumps({"status": torchpatch.status().get("gloo-exit-abort"), "workers": workers}), flush=True)
 t = torch.zeros(4)
 result = t.numpy()  # reading it keeps the GIL, unlike a torch op
-sys.setswitchinterval(5.0)  # a thread waiting for the GIL asks for it only after 5 s
+sys.setswitchinterval(30.0)  # a thread waiting for the GIL asks for it only after 30 s
 dist.all_reduce(t, async_op=True)  # handle dropped: gloo's worker holds the last reference to the work
-store.set("posted", "1")
+flags[0] = 1  # no GIL release from here on: rank 1 joins
 while result[0] != 1.0:  # rank 1 joined and the worker wrote the sum
     pass
-end = time.perf_counter() + 0.2
-while time.perf_counter() < end:  # the worker now waits for the GIL
-    pass
+flags[1] = 1
 """
 ABORT = "terminate called without an active exception"
 
 
 def rank0(tmp_path, **env):
-    path = tmp_path / "rank_script.py"
+    path, flags = tmp_path / "rank_script.py", tmp_path / "flags"
     path.write_text(SCRIPT)
-    return launch(str(path), 2, env=clean_env(**env), timeout=120)[0]
+    flags.write_bytes(bytes(2))
+    return launch(str(path), 2, env=clean_env(GLOO_EXIT_FLAGS=str(flags), **env), timeout=120)[0]
 
 
 def assert_aborts(proc):

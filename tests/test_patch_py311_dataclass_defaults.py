@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks
+from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.11's dataclasses reject the default")
 
@@ -73,9 +73,11 @@ out["fsdp_configs"] = [CPUOffload(offload_params=True).offload_params, mp.param_
 print(json.dumps(out))
 """
 
+# torch 2.15's TensorProperties ends with an optional strides field: https://github.com/pytorch/pytorch/pull/194251
+# (its description matches 2.15's code; https://github.com/pytorch/pytorch/pull/175011 was a first try).
 EXPECTED_REPR = ("ShardedTensorMetadata(shards_metadata=[], size=torch.Size([]), tensor_properties=TensorProperties("
                  "dtype=torch.float32, layout=torch.strided, requires_grad=False, memory_format=torch.contiguous_format, "
-                 "pin_memory=False))")
+                 "pin_memory=False" + (", strides=None" if torch_matches(">=2.15") else "") + "))")
 
 # A sharded tensor over 2 gloo ranks (builds ShardedTensorMetadata / TensorProperties), gathered on
 # rank 0 and compared with the same tensor made on one process.
