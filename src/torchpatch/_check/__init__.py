@@ -5,8 +5,8 @@ Every ``.py`` file is parsed (never executed). The scan collects each torch name
 ``torch.ops.<ns>.<op>``), the members used on values whose torch class the code makes evident and
 the calls of torch classes, together with the import guards around them, and resolves each on the
 target torch: natively, through a patch of the catalogue (its module shims, aliases and symbols,
-as data), or not at all. Nothing here knows particular torch APIs beyond a small table of what
-factories return: what exists comes from the inventories in ``patches/_inventory``
+as data), or not at all. Nothing here knows particular torch APIs: what factories return is catalogue
+data (``patches/factories.json``), what exists comes from the inventories in ``patches/_inventory``
 (``tools/inventory.py``) or, for the installed torch, from a helper interpreter that imports torch
 once; what torchpatch serves comes from the patches' declarations; features that cannot be
 backported from ``patches/not_backportable.json``.
