@@ -227,10 +227,13 @@ def probe(name):
             obj = getattr(obj, part)
         return
     for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
         try:
-            obj = importlib.import_module(".".join(parts[:i]))
+            obj = importlib.import_module(module)
             break
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            if exc.name and not (module + ".").startswith(exc.name + "."):
+                return  # torch has the module; a third-party package it imports is missing here
             continue
     for part in parts[i:]:
         obj = getattr(obj, part)
