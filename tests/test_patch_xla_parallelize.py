@@ -6,7 +6,7 @@ import importlib.util
 
 import pytest
 
-from conftest import RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(
@@ -434,11 +434,9 @@ result = {{
 import torchpatch
 result["status"] = (torchpatch.status().get("xla-parallelize") if os.environ.get("TORCHPATCH") else None)
 result["wrapped"] = getattr(getattr(tp.parallelize_module, "_self_wrapper", None), "__module__", None)
-dist.barrier()
 if dist.get_rank() == 0:
     print({RESULT!r} + json.dumps(result), flush=True)
-dist.destroy_process_group()
-"""
+""" + LEAVE_WITHOUT_TEARDOWN
 
 
 @only_torch(">=2.4", "the patch's torch range; a cpu mesh must stay torch's own")
