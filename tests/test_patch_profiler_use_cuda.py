@@ -30,11 +30,8 @@ try:
 except AssertionError as exc:
     out["empty"] = str(exc)
 out["cuda"] = torch.cuda.is_available()
-try:
-    import torchpatch
-    out["status"] = torchpatch.status().get("profiler-use-cuda")
-except ImportError:
-    out["status"] = None
+import torchpatch
+out["status"] = torchpatch.status().get("profiler-use-cuda")
 print(json.dumps(out))
 """
 

@@ -64,12 +64,12 @@ def _call_shape(value: object) -> str:
 
 
 def _members(cls: type) -> List[str]:
-    """Every attribute name of ``cls`` (inherited ones too), dunders aside but ``__init__``'s parameters."""
+    """Every attribute name of ``cls`` (inherited ones too), dunders aside."""
     return sorted(n for n in dir(cls) if not (n.startswith("__") and n.endswith("__")))
 
 
 def _init_params(cls: type) -> Optional[str]:
-    init = cls.__dict__.get("__init__") or getattr(cls, "__init__", None)
+    init = getattr(cls, "__init__", None)
     if init is None or init is object.__init__:
         return None
     try:
@@ -84,6 +84,7 @@ def class_members(modules: Dict[str, Dict[str, object]]) -> Dict[str, object]:
     for spec in BIG_BASES:
         module, _, qualname = spec.partition(":")
         bases[spec] = getattr(importlib.import_module(module), qualname)
+    base_members = {spec: _members(base) for spec, base in bases.items()}
     classes: Dict[str, object] = {}
     for name in sorted(modules):
         if not name.startswith(MEMBER_ROOTS):
@@ -95,10 +96,10 @@ def class_members(modules: Dict[str, Dict[str, object]]) -> Dict[str, object]:
             if not inspect.isclass(value) or not key or key in classes or not key.startswith("torch"):
                 continue
             extends = [spec for spec, base in bases.items() if issubclass(value, base)]
-            inherited = set().union(*(dir(bases[spec]) for spec in extends))
+            inherited = set().union(*(base_members[spec] for spec in extends))
             classes[key] = {"members": [m for m in _members(value) if m not in inherited],
                             "init": _init_params(value), "extends": extends}
-    return {"classes": classes, "bases": {spec: _members(base) for spec, base in bases.items()}}
+    return {"classes": classes, "bases": base_members}
 
 
 def module_names() -> List[str]:
