@@ -39,11 +39,40 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 REPOS = Path(__file__).resolve().parent / "fixtures" / "repos"
 STUBS = REPOS / "_stubs"
 PACKAGES = ("titan2406", "titan2502", "opendit", "opensora")
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Where a surveyed package's modules are: ``root`` goes on ``sys.path`` (and is the working
+    directory); ``top`` limits the survey to one package under it ("": every module under ``root``),
+    ``exclude`` leaves subpackages of it out; ``stubs`` puts the import-only stand-ins on the path
+    (fixture repositories; an installed package uses the real third-party packages of the venv)."""
+
+    root: Path
+    top: str = ""
+    exclude: Tuple[str, ...] = ()
+    stubs: bool = True
+
+    def path(self) -> str:
+        """The ``sys.path`` entries of an import from this tree, joined by ``os.pathsep``."""
+        return os.pathsep.join([str(self.root)] + ([str(STUBS)] if self.stubs else []))
+
+
+# Surveyed packages by name: the fixture repositories, plus installed ones (``installed``).
+TREES: Dict[str, Tree] = {name: Tree(REPOS / name) for name in PACKAGES}
+
+
+def installed(root: str, top: str, exclude: Sequence[str] = ()) -> str:
+    """Register the package ``top`` installed under ``root`` (``pip install --target root``) for a
+    survey, without ``exclude`` subpackages; its name in the results: ``top@<root's name>``."""
+    name = f"{top}@{Path(root).name}"
+    TREES[name] = Tree(Path(root).resolve(), top, tuple(exclude), stubs=False)
+    return name
 MODES = ("off", "on")
 MARK = "TORCHPATCH-SURVEY "
 
@@ -78,7 +107,7 @@ _PROBE_FUNCTION = textwrap.dedent(
 _PROBE = _PROBE_FUNCTION + "\nimport sys\nprobe(sys.argv[1], sys.argv[2])\n"
 
 # The fork server: imports torch (and torch._dynamo) once, then forks one child per module named on stdin
-# ("<root>\t<module>"); the child imports it and reports as _PROBE does, the server then prints
+# ("<path>\t<module>": the tree's sys.path entries, the first its root); the child imports it and reports as _PROBE does, the server then prints
 # END and the child's wait status.
 _SERVER = _PROBE_FUNCTION + textwrap.dedent(
     """
@@ -91,14 +120,15 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
             raise
     print(%r + json.dumps({"torch": torch.__version__}), flush=True)
     for line in sys.stdin:
-        root, name = line.rstrip("\\n").split("\\t")
+        path, name = line.rstrip("\\n").split("\\t")
+        root = path.split(os.pathsep)[0]
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
             signal.alarm(int(sys.argv[1]))
             os.chdir(root)
-            sys.path.insert(1, root)
+            sys.path[1:1] = path.split(os.pathsep)
             probe(name, root)
             os._exit(0)
         _, status = os.waitpid(pid, 0)
@@ -170,28 +200,28 @@ def _mode_json(pkg: PackageSurvey, mode: str) -> dict:
 
 
 def discover(package: str) -> List[str]:
-    """Dotted names of every module of a fixture repository (packages, namespace dirs and scripts)."""
-    root = REPOS / package
+    """Dotted names of every module of a surveyed package (packages, namespace dirs and scripts)."""
+    tree = TREES[package]
     names = []
-    for path in sorted(root.rglob("*.py")):
-        parts = list(path.relative_to(root).with_suffix("").parts)
+    for path in sorted((tree.root / tree.top).rglob("*.py")):
+        parts = list(path.relative_to(tree.root).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
-        if parts and "__pycache__" not in parts:
+        if parts and "__pycache__" not in parts and not (tree.top and parts[1:2] and parts[1] in tree.exclude):
             names.append(".".join(parts))
     return names
 
 
 def survey_env(package: Optional[str], torchpatch: bool) -> Dict[str, str]:
     """The environment of an import: no TORCHPATCH*/launcher variables unless ``torchpatch``;
-    ``PYTHONPATH`` starts with the repository (none for the fork server) and the stubs."""
+    ``PYTHONPATH`` starts with the package's tree (none for the fork server, whose children add it)."""
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("TORCHPATCH", "PYTEST_")) and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
     }
-    roots = [str(REPOS / package)] if package else []
-    env["PYTHONPATH"] = os.pathsep.join(roots + [str(STUBS)] + [p for p in [env.get("PYTHONPATH")] if p])
+    roots = [TREES[package].path()] if package else []
+    env["PYTHONPATH"] = os.pathsep.join(roots + [p for p in [env.get("PYTHONPATH")] if p])
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env.pop("PYTHONPROFILEIMPORTTIME", None)
@@ -208,7 +238,7 @@ def _parse(module: str, line: str) -> tuple:
 
 def import_fresh(python: str, package: str, module: str, torchpatch: bool, timeout: float = 300) -> tuple:
     """Import ``module`` of ``package`` in a fresh interpreter; (ModuleResult, torch version)."""
-    root = str(REPOS / package)
+    root = str(TREES[package].root)
     try:
         proc = subprocess.run(
             [python, "-c", _PROBE, module, root],
@@ -258,7 +288,7 @@ class ForkServer:
         return line.rstrip("\n")
 
     def run(self, package: str, module: str) -> ModuleResult:
-        self.proc.stdin.write(f"{REPOS / package}\t{module}\n")
+        self.proc.stdin.write(f"{TREES[package].path()}\t{module}\n")
         self.proc.stdin.flush()
         result = None
         while True:
@@ -368,13 +398,19 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python", action="append", help="interpreter to survey (repeatable; default: this one)")
     parser.add_argument("--package", action="append", choices=PACKAGES, help="fixture repository (default: all)")
+    parser.add_argument("--installed", action="append", default=[], metavar="DIR:PACKAGE",
+                        help="survey PACKAGE installed under DIR (pip install --target DIR) instead of the fixtures")
+    parser.add_argument("--exclude", action="append", default=[], metavar="SUBPACKAGE",
+                        help="leave this subpackage of an --installed package out (repeatable)")
     parser.add_argument("--mode", action="append", choices=MODES, help="off (TORCHPATCH unset) or on (default: both)")
     parser.add_argument("--workers", type=int, default=2, help="imports at a time (default 2)")
     parser.add_argument("--isolation", choices=("fork", "fresh"), default="fork",
                         help="fork: a child of a torch-importing server per module (default); fresh: a new interpreter per module")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    results = [run_survey(python, args.package or PACKAGES, args.mode or MODES, args.workers, isolation=args.isolation)
+    trees = [installed(*spec.rsplit(":", 1), exclude=args.exclude) for spec in args.installed]
+    packages = (args.package or []) + trees or list(PACKAGES)
+    results = [run_survey(python, packages, args.mode or MODES, args.workers, isolation=args.isolation)
                for python in args.python or [sys.executable]]
     if args.json:
         print(json.dumps([r.to_json() for r in results], indent=1))

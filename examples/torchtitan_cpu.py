@@ -1,0 +1,167 @@
+"""Train torchtitan's debug model with the installed torchtitan's own trainer, on CPU with gloo.
+
+    pip install --no-deps torchtitan==0.1.0      # plus its light dependencies (see the README)
+    python examples/torchtitan_cpu.py --make-seed-checkpoint /tmp/seed
+    TORCHPATCH=1 torchrun --nproc_per_node 2 examples/torchtitan_cpu.py --parallel fsdp --steps 5 --seed-checkpoint /tmp/seed
+
+Under torchrun, rank 0 prints one JSON line per step: ``{"step": k, "loss": x}`` (with pipeline
+parallelism the loss lives on the last stage; it is taken from there). What makes a GPU trainer run
+on a CPU machine lives here, not in torchpatch's catalogue: the device (torchtitan picks "cuda" when
+it finds no accelerator; this script points it at the CPU, so gloo is the backend), a byte-level
+tiktoken tokenizer and a small text dataset written on the spot (no downloads), float32 parameters
+(bf16 on CPU would only add rounding), and the trainer's flags for each parallelism.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import types
+from typing import Dict, List
+
+# --parallel -> the trainer's flags for 2 ranks (the seed checkpoint is made on 1).
+PARALLEL: Dict[str, List[str]] = {
+    "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
+    "tp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
+    "pp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+           "--parallelism.pipeline_parallel_schedule", "1F1B"],
+    "fsdp+tp+sac": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
+                    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
+    "ddp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "2"],
+}
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
+         "tau upsilon phi chi psi omega torch patch train step loss rank mesh shard tensor").split()
+
+
+def write_assets(folder: str) -> Dict[str, str]:
+    """A byte-level tiktoken vocabulary (256 tokens) and a 400-document JSON-lines dataset, the same
+    bytes on every rank and every run."""
+    os.makedirs(os.path.join(folder, "data"), exist_ok=True)
+    tokenizer = os.path.join(folder, "tokenizer.model")
+    with open(tokenizer, "w") as f:
+        f.writelines(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    rng = random.Random(0)
+    with open(os.path.join(folder, "data", "train.json"), "w") as f:
+        for _ in range(400):
+            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80)))}) + "\n")
+    return {"tokenizer": tokenizer, "data": os.path.join(folder, "data")}
+
+
+class CPUDeviceModule:
+    """What torchtitan asks of its device module (``torch.cuda`` on a GPU), answered for the CPU:
+    the machine's name and memory, one device, no memory statistics (torchtitan logs -1)."""
+
+    @staticmethod
+    def get_device_properties(device=None):
+        return types.SimpleNamespace(total_memory=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+    get_device_name = staticmethod(lambda device=None: platform.processor() or "cpu")
+    current_device = staticmethod(lambda: 0)
+    memory_stats = staticmethod(lambda device=None: {})
+    set_device = reset_peak_memory_stats = empty_cache = synchronize = staticmethod(lambda *a, **k: None)
+
+
+def import_trainer_on_cpu():
+    """Import torchtitan's trainer so that it picks the CPU: torchtitan asks torch for the available
+    accelerator once, at import time (and takes "cuda" when there is none); during that import torch
+    answers "cpu" with ``CPUDeviceModule``. Returns (ConfigManager, Trainer)."""
+    import torch._utils
+
+    saved = torch._utils._get_available_device_type, torch._utils._get_device_module
+    torch._utils._get_available_device_type = lambda: "cpu"
+    torch._utils._get_device_module = lambda device_type=None: CPUDeviceModule
+    try:
+        from torchtitan.config_manager import ConfigManager
+        from torchtitan.train import Trainer
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
+    return ConfigManager, Trainer
+
+
+def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -> List[str]:
+    flags = [
+        "--model.name", "llama3", "--model.flavor", "debugmodel", "--model.tokenizer_path", assets["tokenizer"],
+        "--training.dataset", "c4_test", "--training.dataset_path", assets["data"],
+        "--training.local_batch_size", "4", "--training.seq_len", "64", "--training.steps", str(args.steps),
+        "--training.seed", "42", "--training.deterministic", "--training.mixed_precision_param", "float32",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", work,
+        "--activation_checkpoint.mode", "none", "--optimizer.implementation", "foreach",
+        "--comm.trace_buf_size", "0",
+    ]
+    if args.make_seed_checkpoint:
+        return flags + ["--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
+                        "--checkpoint.last_save_model_weights_only",
+                        "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
+    flags += PARALLEL[args.parallel]
+    if args.seed_checkpoint or args.checkpoint_dir:
+        flags += ["--checkpoint.enable_checkpoint", "--checkpoint.folder",
+                  os.path.abspath(args.checkpoint_dir or os.path.join(work, "checkpoint")),
+                  "--checkpoint.interval", str(args.checkpoint_interval)]
+    if args.seed_checkpoint:
+        flags += ["--checkpoint.initial_load_path", os.path.join(os.path.abspath(args.seed_checkpoint), "step-0")]
+    return flags
+
+
+def print_losses(trainer) -> None:
+    """Rank 0 prints each logged step's loss; under pipeline parallelism ranks without the last stage
+    hold -1, so the largest value over all ranks is the loss."""
+    import torch
+    import torch.distributed as dist
+
+    log = trainer.metrics_processor.log
+
+    def logged(step, global_avg_loss, global_max_loss, *rest, **kw):
+        loss = torch.tensor([float(global_avg_loss)], dtype=torch.float64)
+        dist.all_reduce(loss, op=dist.ReduceOp.MAX)
+        if dist.get_rank() == 0:
+            print(json.dumps({"step": step, "loss": loss.item()}), flush=True)
+        return log(step, global_avg_loss, global_max_loss, *rest, **kw)
+
+    trainer.metrics_processor.log = logged
+
+
+def main(argv: List[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parallel", choices=sorted(PARALLEL), default="fsdp", help="parallelism on 2 ranks (default fsdp)")
+    parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    parser.add_argument("--seed-checkpoint", metavar="DIR", help="start from this seed checkpoint (made by --make-seed-checkpoint)")
+    parser.add_argument("--make-seed-checkpoint", metavar="DIR", help="write torchtitan's seed checkpoint into DIR on one process and exit")
+    parser.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints here (and resume from the newest one in it)")
+    parser.add_argument("--checkpoint-interval", type=int, default=500, help="steps between checkpoint saves (default 500)")
+    args = parser.parse_args(argv)
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": "29571"}.items():
+        os.environ.setdefault(name, value)  # a plain `python` run is a one-process job
+    if args.make_seed_checkpoint and os.environ["WORLD_SIZE"] != "1":
+        parser.error("--make-seed-checkpoint runs on one process: use python, not torchrun with several ranks")
+
+    work = tempfile.mkdtemp(prefix=f"torchtitan-cpu-{os.environ['RANK']}-")
+    assets = write_assets(work)
+    ConfigManager, Trainer = import_trainer_on_cpu()
+
+    config = ConfigManager().parse_args(trainer_flags(args, assets, work))
+    trainer = Trainer(config)
+    try:
+        if args.make_seed_checkpoint:
+            trainer.checkpointer.save(curr_step=0, force=True)
+        else:
+            print_losses(trainer)
+            trainer.train()
+    finally:
+        trainer.close()
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    sys.stdout.flush()
+    os._exit(0)  # leave without gloo's teardown, which can hang on torch 2.1/2.4
+
+
+if __name__ == "__main__":
+    sys.exit(main())
