@@ -1,7 +1,8 @@
 """Test sessions: the quick suite on the default torch, and the torch version matrix.
 
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
-    nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0
+    nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
+                          # from 2.4 with torchtitan 0.1.0, 0.2.2 and 0.3.0 (tests/test_torchtitan.py)
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -41,6 +42,16 @@ MATRIX: dict[str, list[str]] = {
 # The newest torch a machine-wide pip constraint may allow; newer ones install with pip's config off.
 CONSTRAINED_ABOVE = Version("2.14.1")
 
+# torchtitan releases the matrix sessions of torch >= 2.4 import and train (tests/test_torchtitan.py).
+# Each is installed without dependencies into a directory of its own under the venv cache (shared by
+# the sessions: pure Python); its light dependencies go into the session's venv. torchdata, spmd_types
+# and torch_checkpointing require a torch of their own choosing: installed without dependencies.
+TORCHTITAN = ("0.1.0", "0.2.2", "0.3.0")
+TORCHTITAN_FROM = Version("2.4")
+TORCHTITAN_DEPS = ["datasets>=3.6,<4.8", "tokenizers", "tiktoken", "blobfile", "tomli", "fsspec", "tyro",
+                   "tensorboard", "einops", "pillow", "safetensors", "wandb"]
+TORCHTITAN_NO_DEPS = ["torchdata", "spmd_types==0.2.3", "torch_checkpointing"]
+
 _wheel: list[str] = []
 
 
@@ -53,16 +64,29 @@ def _build_wheel(session: nox.Session) -> str:
     return _wheel[0]
 
 
-def _run_suite(session: nox.Session, torch: str) -> None:
+def _install_torchtitan(session: nox.Session) -> str:
+    """torchtitan's releases and their dependencies; the ``TORCHPATCH_TEST_TORCHTITAN`` value."""
+    session.install(*TORCHTITAN_DEPS)
+    session.install("--no-deps", *TORCHTITAN_NO_DEPS)
+    releases = []
+    for release in TORCHTITAN:
+        target = os.path.join(nox.options.envdir, "torchtitan", release)
+        if not os.path.isdir(os.path.join(target, "torchtitan")):
+            session.install("--no-deps", "--target", target, f"torchtitan=={release}")
+        releases.append(f"{release}={target}")
+    return ",".join(releases)
+
+
+def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> None:
     pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
     session.install(f"torch=={torch}", *MATRIX[torch], env=pip_env)
     wheel = _build_wheel(session)
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
-    session.run(
-        "python", "-m", "pytest", *(session.posargs or ["tests"]),
-        env={"TORCHPATCH_EXPECT_TORCH": torch},
-    )
+    env = {"TORCHPATCH_EXPECT_TORCH": torch}
+    if torchtitan and Version(torch) >= TORCHTITAN_FROM:
+        env["TORCHPATCH_TEST_TORCHTITAN"] = _install_torchtitan(session)
+    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=env)
 
 
 @nox.session
@@ -74,5 +98,5 @@ def tests(session: nox.Session) -> None:
 @nox.session(tags=["matrix"])
 @nox.parametrize("torch", [v for v in MATRIX if v != DEFAULT_TORCH])
 def matrix(session: nox.Session, torch: str) -> None:
-    """The suite on one other torch of the matrix."""
-    _run_suite(session, torch)
+    """The suite on one other torch of the matrix (with torchtitan's releases from torch 2.4)."""
+    _run_suite(session, torch, torchtitan=True)

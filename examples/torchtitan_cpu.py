@@ -23,17 +23,17 @@ import random
 import sys
 import tempfile
 import types
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-# --parallel -> the trainer's flags for 2 ranks (the seed checkpoint is made on 1).
-PARALLEL: Dict[str, List[str]] = {
-    "fsdp": ["--parallelism.data_parallel_shard_degree", "2"],
-    "tp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"],
-    "pp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-           "--parallelism.pipeline_parallel_schedule", "1F1B"],
-    "fsdp+tp+sac": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2",
-                    "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"],
-    "ddp": ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.data_parallel_replicate_degree", "2"],
+# --parallel -> (ranks, the trainer's flags). The seed checkpoint is made on one process.
+PARALLEL: Dict[str, Tuple[int, List[str]]] = {
+    "single": (1, ["--parallelism.data_parallel_shard_degree", "1"]),
+    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
+    "tp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
+    "pp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+               "--parallelism.pipeline_parallel_schedule", "1F1B"]),
+    "fsdp+tp+sac": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
 }
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
          "tau upsilon phi chi psi omega torch patch train step loss rank mesh shard tensor").split()
@@ -41,15 +41,17 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
 
 def write_assets(folder: str) -> Dict[str, str]:
     """A byte-level tiktoken vocabulary (256 tokens) and a 400-document JSON-lines dataset, the same
-    bytes on every rank and every run."""
+    bytes on every rank and every run. Its second half repeats the first: torchtitan gives data-parallel
+    rank r of 2 the r-th contiguous half, so both ranks read the same batches and a data-parallel run
+    computes what one process does with the same local batch (the reference a test can compute)."""
     os.makedirs(os.path.join(folder, "data"), exist_ok=True)
     tokenizer = os.path.join(folder, "tokenizer.model")
     with open(tokenizer, "w") as f:
         f.writelines(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
     rng = random.Random(0)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(200)]
     with open(os.path.join(folder, "data", "train.json"), "w") as f:
-        for _ in range(400):
-            f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80)))}) + "\n")
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs + docs)
     return {"tokenizer": tokenizer, "data": os.path.join(folder, "data")}
 
 
@@ -91,18 +93,20 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -
         "--training.local_batch_size", "4", "--training.seq_len", "64", "--training.steps", str(args.steps),
         "--training.seed", "42", "--training.deterministic", "--training.mixed_precision_param", "float32",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", work,
-        "--activation_checkpoint.mode", "none", "--optimizer.implementation", "foreach",
+        "--optimizer.implementation", "foreach",
         "--comm.trace_buf_size", "0",
     ]
     if args.make_seed_checkpoint:
-        return flags + ["--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
+        return flags + ["--activation_checkpoint.mode", "none", "--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
                         "--checkpoint.last_save_model_weights_only",
                         "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
-    flags += PARALLEL[args.parallel]
+    flags += ["--activation_checkpoint.mode", "none"] + PARALLEL[args.parallel][1]
     if args.seed_checkpoint or args.checkpoint_dir:
         flags += ["--checkpoint.enable_checkpoint", "--checkpoint.folder",
                   os.path.abspath(args.checkpoint_dir or os.path.join(work, "checkpoint")),
                   "--checkpoint.interval", str(args.checkpoint_interval)]
+    if args.load_step is not None:
+        flags += ["--checkpoint.load_step", str(args.load_step)]
     if args.seed_checkpoint:
         flags += ["--checkpoint.initial_load_path", os.path.join(os.path.abspath(args.seed_checkpoint), "step-0")]
     return flags
@@ -128,18 +132,23 @@ def print_losses(trainer) -> None:
 
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parallel", choices=sorted(PARALLEL), default="fsdp", help="parallelism on 2 ranks (default fsdp)")
+    parser.add_argument("--parallel", choices=list(PARALLEL), default="fsdp",
+                        help="parallelism: single (1 process), fsdp, tp, pp on 2 ranks, fsdp+tp+sac on 4 (default fsdp)")
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     parser.add_argument("--seed-checkpoint", metavar="DIR", help="start from this seed checkpoint (made by --make-seed-checkpoint)")
     parser.add_argument("--make-seed-checkpoint", metavar="DIR", help="write torchtitan's seed checkpoint into DIR on one process and exit")
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints here (and resume from the newest one in it)")
     parser.add_argument("--checkpoint-interval", type=int, default=500, help="steps between checkpoint saves (default 500)")
+    parser.add_argument("--load-step", type=int, metavar="N", help="resume from the checkpoint of step N in --checkpoint-dir (default: the newest)")
     args = parser.parse_args(argv)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                         "MASTER_PORT": "29571"}.items():
         os.environ.setdefault(name, value)  # a plain `python` run is a one-process job
     if args.make_seed_checkpoint and os.environ["WORLD_SIZE"] != "1":
         parser.error("--make-seed-checkpoint runs on one process: use python, not torchrun with several ranks")
+    ranks = PARALLEL[args.parallel][0]
+    if not args.make_seed_checkpoint and int(os.environ["WORLD_SIZE"]) != ranks:
+        parser.error(f"--parallel {args.parallel} runs on {ranks} ranks: torchrun --nproc_per_node {ranks}")
 
     work = tempfile.mkdtemp(prefix=f"torchtitan-cpu-{os.environ['RANK']}-")
     assets = write_assets(work)

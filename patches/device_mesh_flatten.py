@@ -11,9 +11,10 @@ Fix:           ``_flatten(mesh_dim_name=None)`` with torch 2.5's semantics: the 
                (default: the names joined by ``_``); every rank builds the 1-D mesh of every group
                (a new process group each, created in the same order on all ranks, as torch 2.5
                does) and keeps its own; a second call with the same name returns the same mesh. The
-               root mesh then answers ``root[name]`` and ``root[(name,)]`` with it. Slicing a
-               flattened name together with other dimensions (``root["dp", "tp"]``, torch >= 2.6)
-               raises ``KeyError`` naming that limit.
+               root mesh then answers ``root[name]`` and ``root[(name,)]`` with it, and
+               ``root["dp_shard_cp", "tp"]`` (FSDP2 + TP slices that) with the submesh over the
+               root dimensions the names stand for, in the root's order, each flattened name one
+               dimension using its flattened group (torch 2.5's semantics).
 Upstream:      https://github.com/pytorch/pytorch/pull/132632 (``_flatten``, torch 2.5),
                https://github.com/pytorch/pytorch/pull/133839 (slicing by the flattened name)
 """
@@ -32,9 +33,9 @@ PATCH = Patch(
 )
 PATCH.sets("torch.distributed.device_mesh", ("DeviceMesh._flatten",))
 
-# root mesh -> flattened name -> the flattened 1-D mesh of this rank (root meshes live as long as
-# the job; torch 2.5 keeps the same mapping in its _MeshEnv).
-_FLATTENED: Dict[Any, Dict[str, Any]] = {}
+# root mesh -> flattened name -> (the flattened 1-D mesh of this rank, the root dimensions it spans);
+# root meshes live as long as the job (torch 2.5 keeps the same mappings in its _MeshEnv).
+_FLATTENED: Dict[Any, Dict[str, Tuple[Any, Tuple[int, ...]]]] = {}
 
 
 def _root(mesh: Any) -> Any:
@@ -46,7 +47,7 @@ def _root(mesh: Any) -> Any:
 
 def _flatten(self: Any, mesh_dim_name: Optional[str] = None) -> Any:
     """A 1-D mesh over this mesh's dimensions, named ``mesh_dim_name`` (torch 2.5's ``_flatten``)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
 
     if not self.mesh_dim_names:
         raise RuntimeError("Cannot flatten a DeviceMesh without mesh_dim_names!")
@@ -54,7 +55,7 @@ def _flatten(self: Any, mesh_dim_name: Optional[str] = None) -> Any:
     name = mesh_dim_name or "_".join(self.mesh_dim_names)
     done = _FLATTENED.setdefault(root, {})
     if name in done:
-        return done[name]
+        return done[name][0]
     if name in (root.mesh_dim_names or ()):
         raise RuntimeError(f"{name!r} already exists in the root mesh's dimension names {root.mesh_dim_names}")
     dims = [root.mesh_dim_names.index(n) for n in self.mesh_dim_names]
@@ -64,23 +65,43 @@ def _flatten(self: Any, mesh_dim_name: Optional[str] = None) -> Any:
     for row in rows:  # every rank creates every group, in the same order
         mesh = DeviceMesh(root.device_type, row, mesh_dim_names=(name,))
         if rank in row:
-            done[name] = mesh
-    return done[name]
+            done[name] = (mesh, tuple(dims))
+    # its root, as torch 2.5 records it (FSDP2 + TP checks that both meshes share one)
+    _mesh_resources.child_to_parent_mapping[done[name][0]] = root
+    return done[name][0]
+
+
+def _mixed_slice(root: Any, names: Tuple[str, ...]) -> Any:
+    """``root[names]`` where some names are flattened dimensions: the submesh of this rank over the
+    root dimensions they stand for, each flattened name one dimension with its flattened group."""
+    from torch.distributed.device_mesh import DeviceMesh, _mesh_resources
+
+    flattened = _FLATTENED[root]
+    spans = [flattened[n][1] if n in flattened else (root.mesh_dim_names.index(n),) for n in names]
+    dims = [d for span in spans for d in span]
+    if dims != sorted(set(dims)):
+        raise KeyError(f"invalid mesh dimensions {names}: their root dimensions {spans} must be distinct and "
+                       f"in the order of the root mesh's {root.mesh_dim_names}")
+    rest = [d for d in range(root.mesh.ndim) if d not in dims]
+    sizes = [math.prod(root.mesh.size(d) for d in span) for span in spans]
+    rank = root.get_rank()
+    submesh = next(sub for sub in root.mesh.permute(*rest, *dims).reshape(-1, *sizes) if rank in sub)
+    mesh = DeviceMesh(root.device_type, submesh, mesh_dim_names=names, _init_backend=False)
+    mesh._dim_group_infos = [flattened[n][0]._dim_group_infos[0] if n in flattened else root._dim_group_infos[span[0]]
+                             for n, span in zip(names, spans)]
+    _mesh_resources.child_to_parent_mapping[mesh] = root
+    return mesh
 
 
 def _getitem(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     names: Union[str, Tuple[str, ...]] = args[0] if args else kwargs["mesh_dim_names"]
     names = (names,) if isinstance(names, str) else tuple(names)
     flattened = _FLATTENED.get(instance, {})
-    if len(names) == 1 and names[0] in flattened and names[0] not in (instance.mesh_dim_names or ()):
-        return flattened[names[0]]
-    mixed = [n for n in names if n in flattened]
-    if mixed:
-        raise KeyError(
-            f"slicing flattened mesh dimensions {mixed} together with other dimensions {names} needs torch >= 2.6; "
-            f"torch 2.4 with torchpatch slices a flattened dimension only on its own (root_mesh[{mixed[0]!r}])"
-        )
-    return wrapped(*args, **kwargs)
+    if not any(n in flattened and n not in (instance.mesh_dim_names or ()) for n in names):
+        return wrapped(*args, **kwargs)
+    if len(names) == 1:
+        return flattened[names[0]][0]
+    return _mixed_slice(instance, names)
 
 
 @PATCH.on_import("torch.distributed.device_mesh")

@@ -1,4 +1,4 @@
-"""dtensor-spec-module: ``torch.distributed.tensor._dtensor_spec`` on torch 2.1-2.4, and
+"""dtensor-spec-module: ``torch.distributed.tensor._dtensor_spec`` on torch 2.2-2.4, and
 ``_StridedShard`` importable there.
 
 What breaks:   code written for torch >= 2.5 that works with DTensor internals (torchtitan's
@@ -6,16 +6,17 @@ What breaks:   code written for torch >= 2.5 that works with DTensor internals (
                ``from torch.distributed.tensor._dtensor_spec import DTensorSpec`` and
                ``from torch.distributed.tensor.placement_types import _StridedShard``:
                ``ModuleNotFoundError: No module named 'torch.distributed.tensor._dtensor_spec'``.
-Torch:         2.1-2.4 define ``DTensorSpec`` and ``TensorMeta`` in ``placement_types``; 2.5 moved
+Torch:         2.2-2.4 define ``DTensorSpec`` and ``TensorMeta`` in ``placement_types``; 2.5 moved
                them into ``_dtensor_spec`` when DTensor moved to ``torch.distributed.tensor``, and
                added the ``_StridedShard`` placement (FSDP2 + TP sharding of one tensor dimension).
+               2.1 has no ``TensorMeta`` (its spec holds torch.fx's ``TensorMetadata``): not served there.
 Fix:           serve the module ``torch.distributed.tensor._dtensor_spec`` holding the very
                ``DTensorSpec`` and ``TensorMeta`` of ``torch.distributed._tensor.placement_types``.
                ``_StridedShard`` is not served as a working placement: 2.4's sharding propagation,
                redistribution and FSDP2 do not know it and would compute wrong layouts. The
                name is served (so modules that import it load) as a class whose construction
                raises ``NotImplementedError`` saying so; ``isinstance(p, _StridedShard)`` is False
-               for every placement 2.1-2.4 make, which is true there.
+               for every placement 2.2-2.4 make, which is true there.
 Upstream:      https://github.com/pytorch/pytorch/pull/126697 (``_StridedShard``, torch 2.5)
 """
 
@@ -26,9 +27,9 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="dtensor-spec-module",
-    summary="torch.distributed.tensor._dtensor_spec (DTensorSpec, TensorMeta) on torch 2.1-2.4; "
+    summary="torch.distributed.tensor._dtensor_spec (DTensorSpec, TensorMeta) on torch 2.2-2.4; "
     "_StridedShard importable (not constructible)",
-    torch=">=2.1,<2.5",
+    torch=">=2.2,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/126697",
 )
 PATCH.sets("torch.distributed.tensor._dtensor_spec", ("DTensorSpec", "TensorMeta"))

@@ -66,7 +66,7 @@ NOT_NATIVE = {
     },
     "2.1.2": {
         **PUBLIC_DTENSOR,
-        "torch.distributed._composable.fsdp.fully_shard": "unresolved",  # the except-branch runs: FSDP2 is 2.4
+        "torch.distributed._composable.fsdp.fully_shard": "unresolved",  # the except-branch runs: FSDP2 is 2.3+
         "torch.distributed.checkpoint.load": "unresolved",  # dcp.save/load, state_dict, stateful: 2.2
         "torch.distributed.checkpoint.save": "unresolved",
         "torch.distributed.checkpoint.state_dict.StateDictOptions": "unresolved",
@@ -182,7 +182,7 @@ def test_rows_name_versions_guards_and_what_cannot_be_backported():
     have = [v for v in inventoried()
             if "fully_shard" in inventory(v)["modules"].get("torch.distributed._composable.fsdp", {})]
     assert fsdp2["exists_in"] == have and {"2.4.1", "2.9.0", "2.13.0"} <= set(have) and "2.1.2" not in have
-    assert fsdp2["not_backportable"]["torch"] == ">=2.4" and "FSDP2" in fsdp2["not_backportable"]["what"]
+    assert fsdp2["not_backportable"]["torch"] == ">=2.3" and "FSDP2" in fsdp2["not_backportable"]["what"]
     assert fsdp2["locations"] == [{"file": "trainer/trainer/parallel.py", "line": 11}]
     assert not fsdp2["guarded"]  # an except-branch whose try-branch fails here runs
     public = rows["torch.distributed.fsdp.fully_shard"]
@@ -286,7 +286,7 @@ def test_text_report_and_usage_errors():
     assert "torch 1.13.1" in lines[0]
     first = [line.split()[0] for line in lines[1:] if line.startswith("  ") and not line.startswith("   ")]
     assert first == sorted(first, key=["unresolved", "guarded", "unknown", "patched", "native", "skipped"].index)
-    assert any("not backportable: FSDP2 (fully_shard), torch >=2.4" in line for line in lines)
+    assert any("not backportable: FSDP2 (fully_shard), torch >=2.3" in line for line in lines)
     counts = data["counts"]
     assert counts["unresolved"] == 17 and counts["patched"] == 0
     assert lines[-1] == (f"17 unresolved, {counts['guarded']} guarded, {counts['unknown']} unknown, 0 patched, "

@@ -1,0 +1,125 @@
+"""torchtitan's releases from the package index on the installed torch: every module imports, and its
+own trainer trains (examples/torchtitan_cpu.py) with the losses of one process.
+
+The releases are installed by the nox matrix sessions of torch >= 2.4 (``pip install --no-deps
+--target DIR torchtitan==X`` plus its light dependencies in the venv) and named in
+``TORCHPATCH_TEST_TORCHTITAN`` (``0.1.0=DIR,0.2.2=DIR,...``); without it (the README's quick
+``nox -s tests``) every test here skips. The full release x torch x parallelism table, against the
+newest torch's native run, is made by ``tools/torchtitan_table.py``; CI runs the subset in ``TRAIN``,
+which exercises every patch torchtitan 0.1.0 needs on torch 2.4 (FSDP: device-mesh-flatten, fsdp-public,
+fsdp2-cpu, gloo-avg; PP: pipeline-stage-inference, pipelining-gloo-p2p; both: flex-attention-module,
+dtensor-spec-module, tp-prepare-module-input-output, sdpa-kernel-priority and the DTensor patches).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import pytest
+
+import survey
+from conftest import TORCH, REPO, torch_matches
+
+sys.path.insert(0, str(REPO / "tools"))
+import torchtitan_table as table  # noqa: E402
+
+RELEASES: Dict[str, str] = dict(
+    item.split("=", 1) for item in os.environ.get("TORCHPATCH_TEST_TORCHTITAN", "").split(",") if "=" in item
+)
+pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHPATCH_TEST_TORCHTITAN)")
+
+# (release, torch specifier) -> the parallelisms CI trains there; one process on the same torch is the
+# reference (examples/torchtitan_cpu.py feeds every data-parallel rank the same batches).
+TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
+    ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp"),
+}
+# (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
+IMPORTS_ALL = [("0.1.0", ">=2.4")]
+# Third-party packages a release imports that its wheel does not require (CUDA-only or optional).
+NOT_TORCH = ("triton", "torchvision", "DeepEP", "deep_ep", "torch_checkpointing.")
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def result() -> survey.Survey:
+    names = [survey.installed(path, "torchtitan", exclude=("experiments",)) for path in RELEASES.values()]
+    outcome = survey.run_survey(sys.executable, names)
+    print("\n" + survey.format_table(outcome))
+    return outcome
+
+
+def _release(package: str) -> str:
+    return next(v for v, path in RELEASES.items() if package == f"torchtitan@{Path(path).name}")
+
+
+def test_nothing_that_imports_natively_breaks(result):
+    for name, pkg in result.packages.items():
+        broken = {m: r.error for m, r in pkg.results["on"].items() if pkg.results["off"][m].ok and not r.ok}
+        assert not broken, f"{name}: import natively, fail with TORCHPATCH=1: {broken}"
+        failed = {m: [p for p, s in r.patches.items() if s == "failed"] for m, r in pkg.results["on"].items()}
+        assert not any(failed.values()), f"{name}: patches failed while applying: {failed}"
+
+
+def test_failures_with_torchpatch_are_torchs(result):
+    """What still fails with TORCHPATCH=1 is a torch feature the catalogue cannot serve (or a CUDA-only
+    third-party package), never something torchpatch broke or half-served."""
+    for name, pkg in result.packages.items():
+        for module, r in pkg.failures("on").items():
+            assert "torch" in r.error or any(t in r.error for t in NOT_TORCH), (name, module, r.error)
+
+
+@pytest.mark.parametrize("release, spec", IMPORTS_ALL)
+def test_every_module_imports(result, release, spec):
+    if release not in RELEASES or not torch_matches(spec):
+        pytest.skip(f"torchtitan {release} on torch {spec} only")
+    pkg = next(p for n, p in result.packages.items() if _release(n) == release)
+    ok, total = pkg.rate("on")
+    assert ok == total, {m: r.error for m, r in pkg.failures("on").items()}
+
+
+@pytest.fixture(scope="module")
+def seeds(tmp_path_factory) -> Dict[str, str]:
+    """One seed checkpoint per release, made by torchtitan's own seed-checkpoint feature on this torch."""
+    out = {}
+    for release, path in RELEASES.items():
+        seed = str(tmp_path_factory.mktemp(f"seed-{release}") / "seed")
+        _, error = table.run_example(sys.executable, path, ["--make-seed-checkpoint", seed], 1, True)
+        out[release] = error or seed
+    return out
+
+
+def _train_cases() -> List[Tuple[str, str]]:
+    return [(release, parallel) for (release, spec), parallels in TRAIN.items() for parallel in parallels
+            if torch_matches(spec)]
+
+
+@pytest.mark.parametrize("release, parallel", _train_cases() or [pytest.param("-", "-", marks=pytest.mark.skip(
+    reason=f"no training run is recorded for torch {TORCH}"))])
+def test_trains_like_one_process(seeds, release, parallel):
+    if release not in RELEASES:
+        pytest.skip(f"torchtitan {release} is not installed")
+    seed = seeds[release]
+    assert os.path.isdir(seed), f"seed checkpoint: {seed}"
+    args = ["--steps", str(STEPS), "--seed-checkpoint", seed]
+    reference, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", "single", *args], 1, True)
+    assert not error and len(reference) == STEPS, error
+    losses, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, *args],
+                                      table.RANKS[parallel], True)
+    assert not error and len(losses) == STEPS, error
+    # float32 sums in another order (sharded matmuls, reduce-scatter); torch 2.4-2.6 pipeline schedules
+    # sum microbatch gradients where 2.7+ average them, which AdamW's normalisation all but cancels
+    assert table.max_rel_diff(losses, reference) <= table.TOLERANCE, (losses, reference)
+    assert losses[-1] < losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {losses}"
+
+
+@pytest.mark.parametrize("release", sorted({r for (r, spec) in TRAIN if torch_matches(spec)}) or ["-"])
+def test_dcp_save_and_resume(release, tmp_path):
+    """FSDP: save a DCP checkpoint at step 2 of 4, resume from it: steps 3 and 4 repeat the first run's."""
+    if release not in RELEASES:
+        pytest.skip(f"no torchtitan release trains on torch {TORCH} here")
+    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), STEPS, True)
+    assert not outcome["error"], outcome
+    assert len(outcome["losses"]) == STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome

@@ -1,0 +1,199 @@
+"""The torchtitan training table: each torchtitan release x torch x parallelism, trained with
+``examples/torchtitan_cpu.py`` under TORCHPATCH=1 from one seed checkpoint, per-step losses compared
+with the newest torch's native run (and with one process on the same torch).
+
+    python tools/torchtitan_table.py \\
+        --torch 2.4.1=~/.cache/torchpatch/nox/matrix-torch-2-4-1/bin/python \\
+        --torch 2.15.0=~/.cache/torchpatch/nox/matrix-torch-2-15-0/bin/python \\
+        --release 0.1.0=~/.cache/torchpatch/titan/0.1.0 [--write] [--json out.json]
+
+``--release V=DIR``: torchtitan V installed with ``pip install --no-deps --target DIR``. The seed
+checkpoint of a release is made once, by the oldest torch given (newer torch reads older DCP
+checkpoints; the reverse does not hold), and every run starts from it. The newest torch given is the
+reference: its runs are native (TORCHPATCH unset). Each torch also runs its FSDP configuration with
+TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
+checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
+the README between its torchtitan-table markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "torchtitan_cpu.py"
+README = REPO / "README.md"
+MARKERS = ("<!-- torchtitan-table:start -->", "<!-- torchtitan-table:end -->")
+PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac")
+RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
+TOLERANCE = 1e-4  # relative, per step: float32 sums in another order on another torch
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, torchpatch: bool,
+                timeout: float = 600) -> Tuple[List[float], str]:
+    """Run the example under torchrun (or plain python for one process): (per-step losses, error)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTEST_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=release_dir, OMP_NUM_THREADS="1")
+    if torchpatch:
+        env["TORCHPATCH"] = "1"
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
+                f"--master_port={_port()}"] if ranks > 1 else []
+    try:
+        proc = subprocess.run([python, *launcher, str(EXAMPLE), *args], env=env, capture_output=True,
+                              text=True, timeout=timeout, cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return [], f"timed out after {timeout:.0f} s"
+    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
+    return losses, "" if proc.returncode == 0 else first_error(proc.stderr)
+
+
+def first_error(stderr: str) -> str:
+    """The first exception line of a failed run (the root cause, not torchrun's summary)."""
+    for line in stderr.splitlines():
+        line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()
+        if re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt): ", line) and "ChildFailedError" not in line:
+            return line[:300]
+    return (stderr.strip().splitlines() or ["failed without output"])[-1][:300]
+
+
+def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
+    if not a or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
+def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatch: bool) -> dict:
+    """FSDP for ``steps`` steps saving a DCP checkpoint at step 2, then a second run resuming from that
+    checkpoint: its steps 3.. must repeat the first run's. The first run starts from torchtitan's own
+    seeded initialisation, not a seed checkpoint: torchtitan 0.1.0 drops ``freqs_cis`` from its cached
+    model state dict when it loads a model-only checkpoint, so what it saves afterwards cannot be
+    resumed (on every torch)."""
+    common = ["--parallel", "fsdp", "--steps", str(steps), "--checkpoint-dir", folder]
+    whole, error = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], 2, torchpatch)
+    if error:
+        return {"error": error, "losses": whole, "vs_uninterrupted": None}
+    rest, error = run_example(python, release_dir, [*common, "--load-step", "2"], 2, torchpatch)
+    return {"error": error, "losses": whole[:2] + rest, "vs_uninterrupted": max_rel_diff(rest, whole[2:])}
+
+
+def survey_release(torches: Dict[str, str], release: str, release_dir: str, steps: int,
+                   parallels: Sequence[str]) -> dict:
+    """Every run of one release; a JSON-able dict."""
+    work = Path(tempfile.mkdtemp(prefix=f"titan-table-{release}-"))
+    try:
+        oldest, newest = list(torches)[0], list(torches)[-1]
+        seed = str(work / "seed")
+        _, error = run_example(torches[oldest], release_dir, ["--make-seed-checkpoint", seed], 1, True)
+        result: dict = {"release": release, "seed_by": oldest, "seed_error": error, "reference": newest, "runs": {}}
+        if error:
+            return result
+        common = ["--steps", str(steps), "--seed-checkpoint", seed]
+        reference = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
+                     for p in ("single", *parallels)}
+        for torch, python in torches.items():
+            row: dict = {}
+            native = reference["fsdp"] if torch == newest else run_example(
+                python, release_dir, ["--parallel", "fsdp", *common], 2, False)
+            row["native_fsdp_error"] = native[1]
+            single = run_example(python, release_dir, ["--parallel", "single", *common], 1, True)
+            for p in parallels:
+                losses, error = reference[p] if torch == newest else run_example(
+                    python, release_dir, ["--parallel", p, *common], RANKS[p], True)
+                row[p] = {"losses": losses, "error": error,
+                          "vs_reference": max_rel_diff(losses, reference[p][0]),
+                          "vs_one_process": max_rel_diff(losses, single[0])}
+            row["dcp_resume"] = dcp_resume(python, release_dir, str(work / f"ckpt-{torch}"), steps, torch != newest)
+            result["runs"][torch] = row
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cell(run: dict) -> str:
+    if run["error"]:
+        return f"fails: `{run['error']}`"
+    diff = run["vs_reference"]
+    if diff is None:
+        return "no losses"
+    return f"trains, {'equal' if diff <= TOLERANCE else 'DIFFERS'} ({diff:.1e})"
+
+
+def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
+    """The README table: one row per release x torch."""
+    lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels) + " | DCP save + resume |",
+             "|---|---|---|" + "---|" * len(parallels) + "---|"]
+    for r in results:
+        if r["seed_error"]:
+            lines.append(f"| {r['release']} | {r['seed_by']} | seed checkpoint fails: `{r['seed_error']}` |"
+                         + " |" * (len(parallels) + 1))
+            continue
+        for torch, row in r["runs"].items():
+            native = "trains" if not row["native_fsdp_error"] else f"`{row['native_fsdp_error']}`"
+            resume = row["dcp_resume"]
+            dcp = (f"fails: `{resume['error']}`" if resume["error"] else
+                   "resumes, equal" if (resume["vs_uninterrupted"] or 0) <= TOLERANCE and resume["vs_uninterrupted"] is not None
+                   else "resumes, DIFFERS")
+            ref = " (reference, native)" if torch == r["reference"] else ""
+            lines.append(f"| {r['release']} | {torch}{ref} | {native} | "
+                         + " | ".join(_cell(row[p]) for p in parallels) + f" | {dcp} |")
+    return "\n".join(lines)
+
+
+def write_readme(table: str) -> None:
+    text = README.read_text()
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+
+
+def _pairs(values: Sequence[str], what: str) -> Dict[str, str]:
+    out = {}
+    for value in values:
+        if "=" not in value:
+            raise SystemExit(f"--{what} wants VERSION=PATH, not {value!r}")
+        key, path = value.split("=", 1)
+        out[key] = os.path.expanduser(path)
+    return out
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--torch", action="append", required=True, metavar="VERSION=PYTHON",
+                        help="a torch to run on (oldest first; the last one is the native reference)")
+    parser.add_argument("--release", action="append", required=True, metavar="VERSION=DIR",
+                        help="a torchtitan release installed with pip install --no-deps --target DIR")
+    parser.add_argument("--parallel", action="append", choices=PARALLELS, help="default: all")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
+    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
+    args = parser.parse_args(argv)
+    torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
+    parallels = args.parallel or list(PARALLELS)
+    results = [survey_release(torches, release, path, args.steps, parallels) for release, path in releases.items()]
+    table = markdown(results, parallels)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    if args.write:
+        write_readme(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
