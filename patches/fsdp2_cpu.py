@@ -9,10 +9,11 @@ What breaks:   on a CPU-only machine, the first forward of a ``fully_shard`` mod
                of the variables needed for gradient computation has been modified by an inplace
                operation``: FSDP2's all-gather copy-out (``torch.split_with_sizes_copy(..., out=)``)
                leaves the version counters of its outputs alone on CUDA but bumps them on CPU
-               (pytorch#132014), and 2.4's FSDP2 relies on the CUDA behaviour. Behind that, the
-               gradient reduce-scatter dies with ``RuntimeError: Cannot use ReduceOp.AVG with
-               Gloo``: for fp32/bf16 gradients FSDP2 averages with the collective's AVG op, which
-               2.4's gloo lacks (2.9's has it).
+               (pytorch#132014), and 2.4's FSDP2 relies on the CUDA behaviour. Behind that, for
+               fp32/bf16 gradients FSDP2 averages with the collectives' AVG op, which 2.4's gloo
+               lacks (2.9's has it): HSDP's all-reduce dies with ``RuntimeError: Cannot use
+               ReduceOp.AVG with Gloo``, and gloo's ``reduce_scatter_tensor`` silently *sums*, so
+               the gradients come out data-parallel-size times too large (AdamW all but hides it).
 Torch:         2.4 (the matrix's; 2.5 has the same code). 2.6 takes streams and events from the
                mesh device's handle (pytorch#136843), and torch.cpu's stream gained the no-op
                ``wait_event``/``record_event`` FSDP2 calls in 2.7 (pytorch#145935); 2.5 and 2.6 are

@@ -8,7 +8,8 @@ Torch:         gloo gained AVG in torch 2.7 (a SUM followed by a division by the
                ``functional-collectives`` already reduces "avg" on gloo as a sum and a division.)
 Fix:           ``torch.distributed._functional_collectives.all_reduce`` with "avg" on a group
                whose backend for the tensor's device is gloo reduces with "sum" and divides by the
-               group's size, as torch 2.7's gloo does; every other call is torch's own.
+               group's size, as torch 2.7's gloo does; every other call is torch's own. Integer
+               tensors give a float average here, where torch >= 2.7 raises on the cast back.
 Upstream:      https://github.com/pytorch/pytorch/pull/149781 (ProcessGroupGloo AVG, torch 2.7)
 """
 
@@ -27,10 +28,13 @@ PATCH = Patch(
 
 
 def _is_gloo(group: Any, tensor: Any) -> bool:
-    import torch.distributed as dist
-
-    backend = str(dist.get_backend(group))
-    return backend == "gloo" or (tensor.device.type == "cpu" and "cpu:gloo" in backend)
+    """Whether the group reduces ``tensor`` with gloo: asked of the group's backend for the tensor's
+    device (a group made by ``init_process_group()`` without a backend names itself "undefined")."""
+    try:
+        backend = group._get_backend(tensor.device)
+    except RuntimeError:  # no backend for that device: torch's own call will say so
+        return False
+    return type(backend).__name__ == "ProcessGroupGloo"
 
 
 def _all_reduce(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -19,7 +19,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/136912 (shape inference, 
 """
 
 import inspect
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
 

@@ -15,9 +15,8 @@ Fix:           accept ``set_priority``. With ``set_priority=False``, or a list w
 Upstream:      https://github.com/pytorch/pytorch/pull/140467 (torch 2.6)
 """
 
-import contextlib
 import inspect
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 
