@@ -65,7 +65,7 @@ def _build_wheel(session: nox.Session) -> str:
 
 
 def _install_torchtitan(session: nox.Session) -> str:
-    """torchtitan's releases and their dependencies; the ``TORCHPATCH_TEST_TORCHTITAN`` value."""
+    """torchtitan's releases and their dependencies; the ``TORCHTITAN_TEST_RELEASES`` value."""
     session.install(*TORCHTITAN_DEPS)
     session.install("--no-deps", *TORCHTITAN_NO_DEPS)
     releases = []
@@ -85,7 +85,7 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> No
     session.install(f"torchpatch[test] @ file://{wheel}")
     env = {"TORCHPATCH_EXPECT_TORCH": torch}
     if torchtitan and Version(torch) >= TORCHTITAN_FROM:
-        env["TORCHPATCH_TEST_TORCHTITAN"] = _install_torchtitan(session)
+        env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session)
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=env)
 
 

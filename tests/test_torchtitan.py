@@ -3,7 +3,7 @@ own trainer trains (examples/torchtitan_cpu.py) with the losses of one process.
 
 The releases are installed by the nox matrix sessions of torch >= 2.4 (``pip install --no-deps
 --target DIR torchtitan==X`` plus its light dependencies in the venv) and named in
-``TORCHPATCH_TEST_TORCHTITAN`` (``0.1.0=DIR,0.2.2=DIR,...``); without it (the README's quick
+``TORCHTITAN_TEST_RELEASES`` (``0.1.0=DIR,0.2.2=DIR,...``); without it (the README's quick
 ``nox -s tests``) every test here skips. The full release x torch x parallelism table, against the
 newest torch's native run, is made by ``tools/torchtitan_table.py``; CI runs the subset in ``TRAIN``,
 which exercises every patch torchtitan 0.1.0 needs on torch 2.4 (FSDP: device-mesh-flatten, fsdp-public,
@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO / "tools"))
 import torchtitan_table as table  # noqa: E402
 
 RELEASES: Dict[str, str] = dict(
-    item.split("=", 1) for item in os.environ.get("TORCHPATCH_TEST_TORCHTITAN", "").split(",") if "=" in item
+    item.split("=", 1) for item in os.environ.get("TORCHTITAN_TEST_RELEASES", "").split(",") if "=" in item
 )
-pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHPATCH_TEST_TORCHTITAN)")
+pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHTITAN_TEST_RELEASES)")
 
 # (release, torch specifier) -> the parallelisms CI trains there; one process on the same torch is the
 # reference (examples/torchtitan_cpu.py feeds every data-parallel rank the same batches).

@@ -65,12 +65,16 @@ def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, 
 
 
 def first_error(stderr: str) -> str:
-    """The first exception line of a failed run (the root cause, not torchrun's summary)."""
+    """The first exception line of a failed run (the root cause, not torchrun's summary), or what a
+    C++ exception that aborted a rank said; file paths left out."""
     for line in stderr.splitlines():
         line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()
-        if re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt): ", line) and "ChildFailedError" not in line:
-            return line[:300]
-    return (stderr.strip().splitlines() or ["failed without output"])[-1][:300]
+        if "what():" in line:
+            line = "C++ abort: " + line.split("what():")[-1].strip()
+        elif not re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt): ", line) or "ChildFailedError" in line:
+            continue
+        return re.sub(r" \((/|\w:\\)[^)]*\)", "", line)[:240]
+    return (stderr.strip().splitlines() or ["failed without output"])[-1][:240]
 
 
 def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
@@ -174,15 +178,24 @@ def _pairs(values: Sequence[str], what: str) -> Dict[str, str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--torch", action="append", required=True, metavar="VERSION=PYTHON",
+    parser.add_argument("--torch", action="append", default=[], metavar="VERSION=PYTHON",
                         help="a torch to run on (oldest first; the last one is the native reference)")
-    parser.add_argument("--release", action="append", required=True, metavar="VERSION=DIR",
+    parser.add_argument("--release", action="append", default=[], metavar="VERSION=DIR",
                         help="a torchtitan release installed with pip install --no-deps --target DIR")
     parser.add_argument("--parallel", action="append", choices=PARALLELS, help="default: all")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
     parser.add_argument("--write", action="store_true", help="write the table into README.md")
     parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
+    parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
     args = parser.parse_args(argv)
+    if args.from_json:
+        table = markdown(json.loads(Path(args.from_json).read_text()), args.parallel or PARALLELS)
+        print(table)
+        if args.write:
+            write_readme(table)
+        return 0
+    if not args.torch or not args.release:
+        parser.error("--torch and --release are needed (or --from-json)")
     torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
     parallels = args.parallel or list(PARALLELS)
     results = [survey_release(torches, release, path, args.steps, parallels) for release, path in releases.items()]

@@ -7,11 +7,12 @@ import json
 import os
 import site
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from . import _versions
 from ._config import Config
 from ._manager import PatchPlan, __version__, plan
+from ._patch import Patch
 
 DESCRIPTION = """\
 Run distributed PyTorch code on the torch you have, with zero code changes.
@@ -71,11 +72,19 @@ def _untested(torch: Optional[str], newest: str, plans: List[PatchPlan]) -> List
             f" the patches whose version range is open-ended apply untested ({applying})"]
 
 
-def _not_backportable(torch: Optional[str]) -> List[Dict[str, str]]:
-    """Features this torch lacks that torchpatch cannot serve (patches/not_backportable.json)."""
+def _not_backportable(torch: Optional[str], patches: Sequence[Patch] = (), cfg: Optional[Config] = None) -> List[Dict[str, str]]:
+    """Features this torch lacks that torchpatch cannot serve (patches/not_backportable.json), less
+    those a catalogue patch serves on this torch (switched on or not)."""
     from ._check import not_backportable
+    from ._check.serving import Serving
 
-    return [e for e in not_backportable() if torch and not _versions.matches(e["torch"], torch)]
+    missing = [e for e in not_backportable() if torch and not _versions.matches(e["torch"], torch)]
+    if not missing or not patches:
+        return missing
+    serving = Serving.for_torch(torch, patches, cfg or Config.from_environ())
+    served = set(serving.shims) | set(serving.aliases) | set(serving.off)
+    served |= {f"{module}.{name}" for module, name in serving.symbols}
+    return [e for e in missing if e["name"] not in served]
 
 
 def _plan_rows(plans: List[PatchPlan]) -> List[Dict[str, Any]]:
@@ -133,7 +142,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "newest_tested_torch": NEWEST_TESTED_TORCH,
         "warnings": cfg.warnings + _untested(torch, NEWEST_TESTED_TORCH, plans),
         "hazards": _hazards(torch),
-        "not_backportable": _not_backportable(torch),
+        "not_backportable": _not_backportable(torch, [p.patch for p in plans], cfg),
     }
     if args.json:
         print(json.dumps(report, indent=2))
