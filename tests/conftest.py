@@ -63,6 +63,18 @@ def run_py(code: str, *, env: Optional[Dict[str, str]] = None, args=(), timeout:
     )
 
 
+def import_with_torchpatch(statement: str, patch_id: str) -> dict:
+    """Run the import ``statement`` with TORCHPATCH=1: ``{"error": the ImportError's type name or None,
+    "status": patch_id's torchpatch.status()}``."""
+    return run_json(
+        "import json, torchpatch\n"
+        f"try:\n    {statement}\n    error = None\n"
+        "except ImportError as exc:\n    error = type(exc).__name__\n"
+        f"print(json.dumps({{'error': error, 'status': torchpatch.status().get({patch_id!r})}}))\n",
+        env=clean_env(TORCHPATCH="1"),
+    )
+
+
 def run_json(code: str, **kw) -> dict:
     """Run ``code``, which prints one JSON document as its last stdout line; fail loudly otherwise."""
     proc = run_py(code, **kw)

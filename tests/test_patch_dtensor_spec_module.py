@@ -10,9 +10,7 @@ instances of them, and a spec built from them equals the DTensor's own; ``_Strid
 and class (the reference for the spec equality) and the patch stays out of the way.
 """
 
-import pytest
-
-from conftest import clean_env, free_port, only_torch, run_json, run_py
+from conftest import clean_env, free_port, import_with_torchpatch, only_torch, run_json, run_py
 
 IMPORTS = """
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -101,16 +99,5 @@ def test_inactive_and_native_semantics():
 @only_torch("<2.2", "no DTensor before torch 2.1, no TensorMeta before 2.2 (2.1's spec uses torch.fx's "
             "TensorMetadata): nothing served")
 def test_not_served_without_dtensor():
-    out = run_json(
-        """
-        import json, torchpatch
-        try:
-            from torch.distributed.tensor._dtensor_spec import DTensorSpec
-            error = None
-        except ImportError as exc:
-            error = type(exc).__name__
-        print(json.dumps({"error": error, "status": torchpatch.status().get("dtensor-spec-module")}))
-        """,
-        env=clean_env(TORCHPATCH="1"),
-    )
+    out = import_with_torchpatch('from torch.distributed.tensor._dtensor_spec import DTensorSpec', 'dtensor-spec-module')
     assert out == {"error": "ModuleNotFoundError", "status": None}

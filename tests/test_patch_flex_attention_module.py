@@ -4,7 +4,7 @@ FlexAttention entry point (and ``BlockMask(...)``) raises ``NotImplementedError`
 ``noop_mask`` is upstream's (a True bool scalar); torch 2.4's private ``_flex_attention`` is left
 alone. On torch >= 2.5 the module is torch's own and the patch stays out of the way."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, import_with_torchpatch, only_torch, run_json, run_py
 
 IMPORT = "from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention"
 
@@ -113,16 +113,5 @@ def test_inactive_where_torch_has_it():
 
 @only_torch("<2.4", "FlexAttention's torch 2.4 placeholder is not served on older torch")
 def test_not_served_before_2_4():
-    out = run_json(
-        """
-        import json, torchpatch
-        try:
-            from torch.nn.attention.flex_attention import flex_attention
-            error = None
-        except ImportError as exc:
-            error = type(exc).__name__
-        print(json.dumps({"error": error, "status": torchpatch.status().get("flex-attention-module")}))
-        """,
-        env=clean_env(TORCHPATCH="1"),
-    )
+    out = import_with_torchpatch('from torch.nn.attention.flex_attention import flex_attention', 'flex-attention-module')
     assert out == {"error": "ModuleNotFoundError", "status": None}

@@ -9,7 +9,7 @@ sees and returns is checked too. The script is torch-agnostic: on torch >= 2.8 i
 class (the reference for the served one's semantics) and the patch stays out of the way.
 """
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py, run_ranks
 
 IMPORT = "from torch.distributed.tensor.parallel import PrepareModuleInputOutput"
 
@@ -191,16 +191,5 @@ def test_inactive_and_native_semantics(tmp_path):
 
 @only_torch("<2.4", "served only where torch 2.8's semantics were checked (2.4)")
 def test_not_served_before_2_4():
-    out = run_json(
-        """
-        import json, torchpatch
-        try:
-            from torch.distributed.tensor.parallel import PrepareModuleInputOutput
-            error = None
-        except ImportError as exc:
-            error = type(exc).__name__
-        print(json.dumps({"error": error, "status": torchpatch.status().get("tp-prepare-module-input-output")}))
-        """,
-        env=clean_env(TORCHPATCH="1"),
-    )
+    out = import_with_torchpatch('from torch.distributed.tensor.parallel import PrepareModuleInputOutput', 'tp-prepare-module-input-output')
     assert out["error"] in ("ImportError", "ModuleNotFoundError") and out["status"] is None

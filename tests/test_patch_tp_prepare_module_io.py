@@ -7,7 +7,7 @@ model on one process. The script is torch-agnostic: on torch 2.13 (and 2.4) it r
 classes, which checks the served ones' semantics against the reference torch.
 """
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py, run_ranks
 
 IMPORT = "from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput"
 
@@ -144,16 +144,5 @@ def test_inactive_and_native_semantics(tmp_path):
 
 @only_torch("<2.1", "no tensor parallel at all: nothing is served")
 def test_not_served_before_tensor_parallel():
-    out = run_json(
-        """
-        import json, torchpatch
-        try:
-            from torch.distributed.tensor.parallel import PrepareModuleInput
-            error = None
-        except ImportError as exc:
-            error = type(exc).__name__
-        print(json.dumps({"error": error, "status": torchpatch.status().get("tp-prepare-module-io")}))
-        """,
-        env=clean_env(TORCHPATCH="1"),
-    )
+    out = import_with_torchpatch('from torch.distributed.tensor.parallel import PrepareModuleInput', 'tp-prepare-module-io')
     assert out == {"error": "ModuleNotFoundError", "status": None}
