@@ -9,13 +9,17 @@ parallelism the loss lives on the last stage; it is taken from there). What make
 on a CPU machine lives here, not in torchpatch's catalogue: the device (torchtitan picks "cuda" when
 it finds no accelerator; this script points it at the CPU, so gloo is the backend), a byte-level
 tiktoken tokenizer and a small text dataset written on the spot (no downloads), float32 parameters
-(bf16 on CPU would only add rounding), and the trainer's flags for each parallelism.
+(bf16 on CPU would only add rounding), and the trainer's flags for each parallelism. It speaks the
+trainer interfaces of torchtitan 0.1 (``torchtitan.config_manager``, a tiktoken tokenizer) and 0.2
+(``torchtitan.config``, a Hugging Face ``tokenizer.json``), told apart from the installed files.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import importlib
+import importlib.util
 import json
 import os
 import platform
@@ -23,6 +27,7 @@ import random
 import sys
 import tempfile
 import types
+from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
 # --parallel -> (ranks, the trainer's flags). The seed checkpoint is made on one process.
@@ -52,7 +57,25 @@ def write_assets(folder: str) -> Dict[str, str]:
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(200)]
     with open(os.path.join(folder, "data", "train.json"), "w") as f:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs + docs)
-    return {"tokenizer": tokenizer, "data": os.path.join(folder, "data")}
+    return {"tokenizer": tokenizer, "data": os.path.join(folder, "data"), "hf_assets": write_hf_tokenizer(folder)}
+
+
+def write_hf_tokenizer(folder: str) -> str:
+    """The same byte-level vocabulary as a Hugging Face ``tokenizer.json`` (torchtitan >= 0.2), with
+    begin/end-of-text tokens; returns its directory."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    path = os.path.join(folder, "hf_assets")
+    os.makedirs(path, exist_ok=True)
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    tokenizer.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}, f)
+    return path
 
 
 class CPUDeviceModule:
@@ -69,6 +92,33 @@ class CPUDeviceModule:
     set_device = reset_peak_memory_stats = empty_cache = synchronize = staticmethod(lambda *a, **k: None)
 
 
+@dataclass(frozen=True)
+class TrainerAPI:
+    """Where torchtitan's trainer interface differs between its releases."""
+
+    config_module: str  # the module holding ConfigManager
+    seed_flags: Tuple[str, ...]
+    enable_checkpoint: str
+    model_only_last_save: str
+    hf_tokenizer: bool  # --model.hf_assets_path (tokenizer.json) instead of a tiktoken file
+    seed_save: Dict[str, bool]  # checkpointer.save(curr_step=0, **seed_save) writes the seed checkpoint
+
+
+API_0_1 = TrainerAPI("torchtitan.config_manager", ("--training.seed", "42", "--training.deterministic"),
+                     "--checkpoint.enable_checkpoint", "--checkpoint.last_save_model_weights_only", False, {"force": True})
+API_0_2 = TrainerAPI("torchtitan.config", ("--debug.seed", "42", "--debug.deterministic"),
+                     "--checkpoint.enable", "--checkpoint.last_save_model_only", True, {"last_step": True})
+def _trainer_api() -> TrainerAPI:
+    """The installed torchtitan's interface, told from its files (importing it would fix its device)."""
+    spec = importlib.util.find_spec("torchtitan")
+    if spec is None:
+        sys.exit("examples/torchtitan_cpu.py: torchtitan is not installed (pip install --no-deps torchtitan==0.1.0 ...)")
+    return API_0_2 if os.path.isdir(os.path.join(list(spec.submodule_search_locations)[0], "config")) else API_0_1
+
+
+API = _trainer_api()
+
+
 def import_trainer_on_cpu():
     """Import torchtitan's trainer so that it picks the CPU: torchtitan asks torch for the available
     accelerator once, at import time (and takes "cuda" when there is none); during that import torch
@@ -79,7 +129,7 @@ def import_trainer_on_cpu():
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type=None: CPUDeviceModule
     try:
-        from torchtitan.config_manager import ConfigManager
+        ConfigManager = importlib.import_module(API.config_module).ConfigManager
         from torchtitan.train import Trainer
     finally:
         torch._utils._get_available_device_type, torch._utils._get_device_module = saved
@@ -87,22 +137,24 @@ def import_trainer_on_cpu():
 
 
 def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -> List[str]:
+    tokenizer = (["--model.hf_assets_path", assets["hf_assets"]] if API.hf_tokenizer
+                 else ["--model.tokenizer_path", assets["tokenizer"]])
     flags = [
-        "--model.name", "llama3", "--model.flavor", "debugmodel", "--model.tokenizer_path", assets["tokenizer"],
+        "--model.name", "llama3", "--model.flavor", "debugmodel", *tokenizer,
         "--training.dataset", "c4_test", "--training.dataset_path", assets["data"],
         "--training.local_batch_size", "4", "--training.seq_len", "64", "--training.steps", str(args.steps),
-        "--training.seed", "42", "--training.deterministic", "--training.mixed_precision_param", "float32",
+        *API.seed_flags, "--training.mixed_precision_param", "float32",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", work,
         "--optimizer.implementation", "foreach",
         "--comm.trace_buf_size", "0",
     ]
     if args.make_seed_checkpoint:
-        return flags + ["--activation_checkpoint.mode", "none", "--checkpoint.enable_checkpoint", "--checkpoint.create_seed_checkpoint",
-                        "--checkpoint.last_save_model_weights_only",
+        return flags + ["--activation_checkpoint.mode", "none", API.enable_checkpoint, "--checkpoint.create_seed_checkpoint",
+                        API.model_only_last_save,
                         "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
     flags += ["--activation_checkpoint.mode", "none"] + PARALLEL[args.parallel][1]
     if args.seed_checkpoint or args.checkpoint_dir:
-        flags += ["--checkpoint.enable_checkpoint", "--checkpoint.folder",
+        flags += [API.enable_checkpoint, "--checkpoint.folder",
                   os.path.abspath(args.checkpoint_dir or os.path.join(work, "checkpoint")),
                   "--checkpoint.interval", str(args.checkpoint_interval)]
     if args.load_step is not None:
@@ -158,7 +210,7 @@ def main(argv: List[str] | None = None) -> int:
     trainer = Trainer(config)
     try:
         if args.make_seed_checkpoint:
-            trainer.checkpointer.save(curr_step=0, force=True)
+            trainer.checkpointer.save(curr_step=0, **API.seed_save)
         else:
             print_losses(trainer)
             trainer.train()

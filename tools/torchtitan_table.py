@@ -8,8 +8,9 @@ with the newest torch's native run (and with one process on the same torch).
         --release 0.1.0=~/.cache/torchpatch/titan/0.1.0 [--write] [--json out.json]
 
 ``--release V=DIR``: torchtitan V installed with ``pip install --no-deps --target DIR``. The seed
-checkpoint of a release is made once, by the oldest torch given (newer torch reads older DCP
-checkpoints; the reverse does not hold), and every run starts from it. The newest torch given is the
+checkpoint of a release is made once, by the oldest torch given that can run the release with
+TORCHPATCH=1 (newer torch reads older DCP checkpoints; the reverse does not hold; a torch that cannot
+even make it gets one row saying why), and every run starts from it. The newest torch given is the
 reference: its runs are native (TORCHPATCH unset). Each torch also runs its FSDP configuration with
 TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
 checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
@@ -102,12 +103,20 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
     """Every run of one release; a JSON-able dict."""
     work = Path(tempfile.mkdtemp(prefix=f"titan-table-{release}-"))
     try:
-        oldest, newest = list(torches)[0], list(torches)[-1]
+        newest = list(torches)[-1]
         seed = str(work / "seed")
-        _, error = run_example(torches[oldest], release_dir, ["--make-seed-checkpoint", seed], 1, True)
-        result: dict = {"release": release, "seed_by": oldest, "seed_error": error, "reference": newest, "runs": {}}
-        if error:
+        result: dict = {"release": release, "seed_by": None, "seed_error": "", "reference": newest, "runs": {},
+                        "cannot_start": {}}
+        for torch, python in torches.items():  # the oldest torch that can make it
+            _, error = run_example(python, release_dir, ["--make-seed-checkpoint", seed], 1, True)
+            if not error:
+                result["seed_by"] = torch
+                break
+            result["cannot_start"][torch] = error
+        else:
+            result["seed_error"] = error
             return result
+        torches = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
         common = ["--steps", str(steps), "--seed-checkpoint", seed]
         reference = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
                      for p in ("single", *parallels)}
@@ -144,10 +153,9 @@ def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
     lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels) + " | DCP save + resume |",
              "|---|---|---|" + "---|" * len(parallels) + "---|"]
     for r in results:
-        if r["seed_error"]:
-            lines.append(f"| {r['release']} | {r['seed_by']} | seed checkpoint fails: `{r['seed_error']}` |"
+        for torch, error in r.get("cannot_start", {}).items():
+            lines.append(f"| {r['release']} | {torch} | cannot start with TORCHPATCH=1: `{error}` |"
                          + " |" * (len(parallels) + 1))
-            continue
         for torch, row in r["runs"].items():
             native = "trains" if not row["native_fsdp_error"] else f"`{row['native_fsdp_error']}`"
             resume = row["dcp_resume"]
