@@ -11,7 +11,8 @@ with the newest torch's native run (and with one process on the same torch).
 checkpoint of a release is made once, by the oldest torch given that can run the release with
 TORCHPATCH=1 (newer torch reads older DCP checkpoints; the reverse does not hold; a torch that cannot
 even make it gets one row saying why), and every run starts from it. The newest torch given is the
-reference: its runs are native (TORCHPATCH unset). Each torch also runs its FSDP configuration with
+reference: its runs are native (TORCHPATCH unset); where a native run fails, the newest torch runs it
+with TORCHPATCH=1 and one process on the same torch is the reference. Each torch also runs its FSDP configuration with
 TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
 checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
 the README between its torchtitan-table markers.
@@ -127,12 +128,13 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
             row["native_fsdp_error"] = native[1]
             single = run_example(python, release_dir, ["--parallel", "single", *common], 1, True)
             for p in parallels:
-                losses, error = reference[p] if torch == newest else run_example(
-                    python, release_dir, ["--parallel", p, *common], RANKS[p], True)
+                losses, error = reference[p] if torch == newest else ([], "")
+                if torch != newest or error:  # the newest torch with TORCHPATCH=1 where it fails natively
+                    losses, error = run_example(python, release_dir, ["--parallel", p, *common], RANKS[p], True)
                 row[p] = {"losses": losses, "error": error,
                           "vs_reference": max_rel_diff(losses, reference[p][0]),
                           "vs_one_process": max_rel_diff(losses, single[0])}
-            row["dcp_resume"] = dcp_resume(python, release_dir, str(work / f"ckpt-{torch}"), steps, torch != newest)
+            row["dcp_resume"] = dcp_resume(python, release_dir, str(work / f"ckpt-{torch}"), steps, True)
             result["runs"][torch] = row
         return result
     finally:
@@ -142,10 +144,12 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
 def _cell(run: dict) -> str:
     if run["error"]:
         return f"fails: `{run['error']}`"
-    diff = run["vs_reference"]
+    diff, what = run["vs_reference"], ""
+    if diff is None:  # the newest torch fails natively: one process on the same torch is the reference
+        diff, what = run["vs_one_process"], " to one process"
     if diff is None:
         return "no losses"
-    return f"trains, {'equal' if diff <= TOLERANCE else 'DIFFERS'} ({diff:.1e})"
+    return f"trains, {'equal' if diff <= TOLERANCE else 'DIFFERS'}{what} ({diff:.1e})"
 
 
 def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
@@ -162,7 +166,7 @@ def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
             dcp = (f"fails: `{resume['error']}`" if resume["error"] else
                    "resumes, equal" if (resume["vs_uninterrupted"] or 0) <= TOLERANCE and resume["vs_uninterrupted"] is not None
                    else "resumes, DIFFERS")
-            ref = " (reference, native)" if torch == r["reference"] else ""
+            ref = " (reference: native)" if torch == r["reference"] else ""
             lines.append(f"| {r['release']} | {torch}{ref} | {native} | "
                          + " | ".join(_cell(row[p]) for p in parallels) + f" | {dcp} |")
     return "\n".join(lines)
