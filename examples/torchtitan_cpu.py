@@ -57,7 +57,8 @@ def write_assets(folder: str) -> Dict[str, str]:
     docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(200)]
     with open(os.path.join(folder, "data", "train.json"), "w") as f:
         f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs + docs)
-    return {"tokenizer": tokenizer, "data": os.path.join(folder, "data"), "hf_assets": write_hf_tokenizer(folder)}
+    return {"tokenizer": tokenizer, "data": os.path.join(folder, "data"),
+            "hf_assets": write_hf_tokenizer(folder) if API.hf_tokenizer else ""}
 
 
 def write_hf_tokenizer(folder: str) -> str:
