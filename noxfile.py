@@ -2,7 +2,7 @@
 
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
     nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
-                          # from 2.4 with torchtitan 0.1.0, 0.2.2 and 0.3.0 (tests/test_torchtitan.py)
+                          # with torchtitan's releases where CI tries them (tests/test_torchtitan.py)
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -20,6 +20,7 @@ import os
 import tempfile
 
 import nox
+from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 nox.options.envdir = os.environ.get(
@@ -42,12 +43,13 @@ MATRIX: dict[str, list[str]] = {
 # The newest torch a machine-wide pip constraint may allow; newer ones install with pip's config off.
 CONSTRAINED_ABOVE = Version("2.14.1")
 
-# torchtitan releases the matrix sessions of torch >= 2.4 import and train (tests/test_torchtitan.py).
+# torchtitan release -> the matrix torches whose sessions import and train it (tests/test_torchtitan.py):
+# 0.1.0 on every torch from 2.4 (2.4 is where its patches apply, 2.15 the newest); 0.2.2 and 0.3.0 on 2.14,
+# the oldest matrix torch they train on (their import surveys cost minutes a torch: 97 and 173 modules).
 # Each is installed without dependencies into a directory of its own under the venv cache (shared by
 # the sessions: pure Python); its light dependencies go into the session's venv. torchdata, spmd_types
 # and torch_checkpointing require a torch of their own choosing: installed without dependencies.
-TORCHTITAN = ("0.1.0", "0.2.2", "0.3.0")
-TORCHTITAN_FROM = Version("2.4")
+TORCHTITAN = {"0.1.0": SpecifierSet(">=2.4"), "0.2.2": SpecifierSet("==2.14.*"), "0.3.0": SpecifierSet("==2.14.*")}
 TORCHTITAN_DEPS = ["datasets>=3.6,<4.8", "tokenizers", "tiktoken", "blobfile", "tomli", "fsspec", "tyro",
                    "tensorboard", "einops", "pillow", "safetensors", "wandb"]
 TORCHTITAN_NO_DEPS = ["torchdata", "spmd_types==0.2.3", "torch_checkpointing"]
@@ -64,17 +66,17 @@ def _build_wheel(session: nox.Session) -> str:
     return _wheel[0]
 
 
-def _install_torchtitan(session: nox.Session) -> str:
+def _install_torchtitan(session: nox.Session, releases: list[str]) -> str:
     """torchtitan's releases and their dependencies; the ``TORCHTITAN_TEST_RELEASES`` value."""
     session.install(*TORCHTITAN_DEPS)
     session.install("--no-deps", *TORCHTITAN_NO_DEPS)
-    releases = []
-    for release in TORCHTITAN:
+    installed = []
+    for release in releases:
         target = os.path.join(nox.options.envdir, "torchtitan", release)
         if not os.path.isdir(os.path.join(target, "torchtitan")):
             session.install("--no-deps", "--target", target, f"torchtitan=={release}")
-        releases.append(f"{release}={target}")
-    return ",".join(releases)
+        installed.append(f"{release}={target}")
+    return ",".join(installed)
 
 
 def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> None:
@@ -84,8 +86,9 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> No
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
     env = {"TORCHPATCH_EXPECT_TORCH": torch}
-    if torchtitan and Version(torch) >= TORCHTITAN_FROM:
-        env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session)
+    releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
+    if releases:
+        env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)
     session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=env)
 
 
@@ -98,5 +101,5 @@ def tests(session: nox.Session) -> None:
 @nox.session(tags=["matrix"])
 @nox.parametrize("torch", [v for v in MATRIX if v != DEFAULT_TORCH])
 def matrix(session: nox.Session, torch: str) -> None:
-    """The suite on one other torch of the matrix (with torchtitan's releases from torch 2.4)."""
+    """The suite on one other torch of the matrix (with the torchtitan releases ``TORCHTITAN`` gives it)."""
     _run_suite(session, torch, torchtitan=True)

@@ -28,17 +28,18 @@ import sys
 import tempfile
 import types
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
-# --parallel -> (ranks, the trainer's flags). The seed checkpoint is made on one process.
-PARALLEL: Dict[str, Tuple[int, List[str]]] = {
-    "single": (1, ["--parallelism.data_parallel_shard_degree", "1"]),
-    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"]),
-    "tp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"]),
+# --parallel -> (ranks, the trainer's parallelism flags, activation checkpointing: "none" or per-op
+# selective "op"). The seed checkpoint is made on one process.
+PARALLEL: Dict[str, Tuple[int, List[str], str]] = {
+    "single": (1, ["--parallelism.data_parallel_shard_degree", "1"], "none"),
+    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"], "none"),
+    "tp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], "none"),
     "pp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-               "--parallelism.pipeline_parallel_schedule", "1F1B"]),
-    "fsdp+tp+sac": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
-                        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]),
+               "--parallelism.pipeline_parallel_schedule", "1F1B"], "none"),
+    "fsdp+tp+sac": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
+                    "op"),
 }
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
          "tau upsilon phi chi psi omega torch patch train step loss rank mesh shard tensor").split()
@@ -101,47 +102,87 @@ class TrainerAPI:
     seed_flags: Tuple[str, ...]
     enable_checkpoint: str
     model_only_last_save: str
-    hf_tokenizer: bool  # --model.hf_assets_path (tokenizer.json) instead of a tiktoken file
+    hf_tokenizer: bool  # a Hugging Face tokenizer.json instead of a tiktoken file
     seed_save: Dict[str, bool]  # checkpointer.save(curr_step=0, **seed_save) writes the seed checkpoint
+    model: Tuple[str, ...]  # the flags that pick llama3's debug model (and what a CPU needs beside)
+    flag: Dict[str, str]  # the flags that moved, by their 0.1 spelling
+    activation_checkpoint: Dict[str, List[str]]  # "none" / "op" (per-op selective) -> the flags
+    config_builds: bool  # the parsed config builds the trainer (0.3), or torchtitan.train.Trainer(config)
+    flex_attention_only: bool  # its language models attend with FlexAttention (or CUDA's varlen) only (0.3)
 
 
+_MODE_AC = {"none": ["--activation_checkpoint.mode", "none"],
+            "op": ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective_ac_option", "op"]}
 API_0_1 = TrainerAPI("torchtitan.config_manager", ("--training.seed", "42", "--training.deterministic"),
-                     "--checkpoint.enable_checkpoint", "--checkpoint.last_save_model_weights_only", False, {"force": True})
+                     "--checkpoint.enable_checkpoint", "--checkpoint.last_save_model_weights_only", False, {"force": True},
+                     ("--model.name", "llama3", "--model.flavor", "debugmodel"), {}, _MODE_AC, False, False)
 API_0_2 = TrainerAPI("torchtitan.config", ("--debug.seed", "42", "--debug.deterministic"),
-                     "--checkpoint.enable", "--checkpoint.last_save_model_only", True, {"last_step": True})
+                     "--checkpoint.enable", "--checkpoint.last_save_model_only", True, {"last_step": True},
+                     API_0_1.model, {"--model.tokenizer_path": "--model.hf_assets_path"}, _MODE_AC, False, False)
+# 0.3: a registry of typed configs (--module/--config), tyro flags, activation checkpointing as a subcommand
+API_0_3 = TrainerAPI("torchtitan.config", API_0_2.seed_flags, "--checkpoint.enable", "--checkpoint.last_save_model_only",
+                     True, {"last_step": True}, ("--module", "llama3", "--config", "llama3_debugmodel", "--training.disable_cuda_graphs"),
+                     {"--model.tokenizer_path": "--hf_assets_path", "--training.dataset": "--dataloader.dataset",
+                      "--training.dataset_path": "--dataloader.dataset_path", "--job.dump_folder": "--dump_folder"},
+                     {"none": ["activation-checkpoint:none"], "op": ["activation-checkpoint:selective"]}, True, True)
+
+
 def _trainer_api() -> TrainerAPI:
     """The installed torchtitan's interface, told from its files (importing it would fix its device)."""
     spec = importlib.util.find_spec("torchtitan")
     if spec is None:
         sys.exit("examples/torchtitan_cpu.py: torchtitan is not installed (pip install --no-deps torchtitan==0.1.0 ...)")
-    return API_0_2 if os.path.isdir(os.path.join(list(spec.submodule_search_locations)[0], "config")) else API_0_1
+    root = list(spec.submodule_search_locations)[0]
+    if os.path.isfile(os.path.join(root, "trainer.py")):
+        return API_0_3
+    return API_0_2 if os.path.isdir(os.path.join(root, "config")) else API_0_1
 
 
 API = _trainer_api()
 
 
-def import_trainer_on_cpu():
-    """Import torchtitan's trainer so that it picks the CPU: torchtitan asks torch for the available
-    accelerator once, at import time (and takes "cuda" when there is none); during that import torch
-    answers "cpu" with ``CPUDeviceModule``. Returns (ConfigManager, Trainer)."""
+def flex_attention_on_cpu(q, k, v, *, score_mod, block_mask, scale, enable_gqa, return_aux, kernel_options):
+    """What torchtitan 0.3's FlexAttention computes, differentiable on the CPU: torch's FlexAttention
+    has no backward there ("FlexAttention does not support backward on CPU"), so the block mask's
+    mask_mod becomes a dense boolean mask for scaled_dot_product_attention (the same masked softmax)."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import create_mask
+
+    if score_mod is not None or return_aux.lse:
+        raise NotImplementedError("examples/torchtitan_cpu.py: FlexAttention's score_mod and lse are not served on CPU")
+    mask = create_mask(block_mask.mask_mod, q.shape[0], 1, q.shape[-2], k.shape[-2], device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None
+
+
+def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
+    """Parse the trainer's flags with the installed torchtitan, imported so that it picks the CPU:
+    torchtitan asks torch for the available accelerator once, at import time (and takes "cuda" when
+    there is none); during that import (0.3 imports its model and trainer while it parses) torch
+    answers "cpu" with ``CPUDeviceModule``. Returns what builds the trainer."""
     import torch._utils
 
     saved = torch._utils._get_available_device_type, torch._utils._get_device_module
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type=None: CPUDeviceModule
     try:
-        ConfigManager = importlib.import_module(API.config_module).ConfigManager
+        config = importlib.import_module(API.config_module).ConfigManager().parse_args(flags)
+        if API.flex_attention_only:
+            from torchtitan.models.common.attention import FlexAttention
+
+            FlexAttention.compiled_flex_attn = staticmethod(flex_attention_on_cpu)
+        if API.config_builds:
+            return config.build
         from torchtitan.train import Trainer
     finally:
         torch._utils._get_available_device_type, torch._utils._get_device_module = saved
-    return ConfigManager, Trainer
+    return lambda: Trainer(config)
 
 
 def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -> List[str]:
-    tokenizer = (["--model.hf_assets_path", assets["hf_assets"]] if API.hf_tokenizer
-                 else ["--model.tokenizer_path", assets["tokenizer"]])
+    """The trainer's flags, written in torchtitan 0.1's spelling and renamed for the installed release."""
+    tokenizer = assets["hf_assets"] if API.hf_tokenizer else assets["tokenizer"]
     flags = [
-        "--model.name", "llama3", "--model.flavor", "debugmodel", *tokenizer,
+        *API.model, "--model.tokenizer_path", tokenizer,
         "--training.dataset", "c4_test", "--training.dataset_path", assets["data"],
         "--training.local_batch_size", "4", "--training.seq_len", "64", "--training.steps", str(args.steps),
         *API.seed_flags, "--training.mixed_precision_param", "float32",
@@ -150,10 +191,12 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -
         "--comm.trace_buf_size", "0",
     ]
     if args.make_seed_checkpoint:
-        return flags + ["--activation_checkpoint.mode", "none", API.enable_checkpoint, "--checkpoint.create_seed_checkpoint",
-                        API.model_only_last_save,
-                        "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
-    flags += ["--activation_checkpoint.mode", "none"] + PARALLEL[args.parallel][1]
+        flags += [API.enable_checkpoint, "--checkpoint.create_seed_checkpoint", API.model_only_last_save,
+                  "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
+        ac = "none"
+    else:
+        _, parallel, ac = PARALLEL[args.parallel]
+        flags += parallel
     if args.seed_checkpoint or args.checkpoint_dir:
         flags += [API.enable_checkpoint, "--checkpoint.folder",
                   os.path.abspath(args.checkpoint_dir or os.path.join(work, "checkpoint")),
@@ -162,7 +205,8 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -
         flags += ["--checkpoint.load_step", str(args.load_step)]
     if args.seed_checkpoint:
         flags += ["--checkpoint.initial_load_path", os.path.join(os.path.abspath(args.seed_checkpoint), "step-0")]
-    return flags
+    # a tyro subcommand (0.3) comes after every flag
+    return [API.flag.get(flag, flag) for flag in flags] + API.activation_checkpoint[ac]
 
 
 def print_losses(trainer) -> None:
@@ -205,10 +249,7 @@ def main(argv: List[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix=f"torchtitan-cpu-{os.environ['RANK']}-")
     assets = write_assets(work)
-    ConfigManager, Trainer = import_trainer_on_cpu()
-
-    config = ConfigManager().parse_args(trainer_flags(args, assets, work))
-    trainer = Trainer(config)
+    trainer = configure_on_cpu(trainer_flags(args, assets, work))()
     try:
         if args.make_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, **API.seed_save)

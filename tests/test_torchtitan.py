@@ -9,7 +9,8 @@ newest torch's native run, is made by ``tools/torchtitan_table.py``; CI runs the
 which exercises every patch torchtitan 0.1.0 needs on torch 2.4 (FSDP: device-mesh-flatten, fsdp-public,
 fsdp2-cpu, gloo-avg; PP: pipeline-stage-inference, pipelining-gloo-p2p; both: flex-attention-module,
 dtensor-spec-module, tp-prepare-module-input-output, sdpa-kernel-priority and the DTensor patches), and
-torchtitan 0.2.2's FSDP on 2.14 (fsdp2-gloo-divide-factor).
+the FSDP of torchtitan 0.2.2 and 0.3.0 on 2.14, the oldest matrix torch they train on
+(fsdp2-gloo-divide-factor). Which release is installed on which torch is the noxfile's ``TORCHTITAN``.
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release inst
 # reference (examples/torchtitan_cpu.py feeds every data-parallel rank the same batches).
 TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp"),
-    ("0.2.2", ">=2.14,<2.15"): ("fsdp",),  # the oldest matrix torch 0.2.2 imports on (fsdp2-gloo-divide-factor)
+    ("0.2.2", ">=2.14,<2.15"): ("fsdp",),  # the oldest matrix torch 0.2.2 trains on (fsdp2-gloo-divide-factor)
+    ("0.3.0", ">=2.14,<2.15"): ("fsdp",),  # likewise 0.3.0
 }
 # (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
 IMPORTS_ALL = [("0.1.0", ">=2.4")]
-# Third-party packages a release imports that its wheel does not require (CUDA-only or optional).
-NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.")
+# Third-party packages a release imports that its wheel does not require (CUDA-only or optional; 'fla':
+# flash-linear-attention, the Triton kernels of 0.3.0's Qwen3.5).
+NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.", "'fla'")
 STEPS = 4
 
 

@@ -15,7 +15,8 @@ reference: its runs are native (TORCHPATCH unset); where a native run fails, the
 with TORCHPATCH=1 and one process on the same torch is the reference. Each torch also runs its FSDP configuration with
 TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
 checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
-the README between its torchtitan-table markers.
+the README between its torchtitan-table markers, replacing the rows of the releases it ran and keeping
+the others.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "torchtitan_cpu.py"
@@ -173,9 +176,19 @@ def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
 
 
 def write_readme(table: str) -> None:
+    """Put the table into the README; the rows of releases this table does not hold stay (a release is
+    trained again without training the others), in release order."""
     text = README.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
-    README.write_text(text[:start] + "\n" + table + "\n" + text[end:])
+    header, rows = table.splitlines()[:2], table.splitlines()[2:]
+    ran = {_row_release(row) for row in rows}
+    kept = [row for row in text[start:end].strip().splitlines()[2:] if _row_release(row) not in ran]
+    rows = sorted(kept + rows, key=lambda row: Version(_row_release(row)))  # stable: torch order kept
+    README.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
+
+
+def _row_release(row: str) -> str:
+    return row.split("|")[1].strip()
 
 
 def _pairs(values: Sequence[str], what: str) -> Dict[str, str]:
