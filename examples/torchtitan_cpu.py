@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import random
+import socket
 import sys
 import tempfile
 import types
@@ -238,9 +239,12 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--checkpoint-interval", type=int, default=500, help="steps between checkpoint saves (default 500)")
     parser.add_argument("--load-step", type=int, metavar="N", help="resume from the checkpoint of step N in --checkpoint-dir (default: the newest)")
     args = parser.parse_args(argv)
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": "29571"}.items():
-        os.environ.setdefault(name, value)  # a plain `python` run is a one-process job
+    if "MASTER_PORT" not in os.environ:  # a plain `python` run is a one-process job, on a free port
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1"}.items():
+        os.environ.setdefault(name, value)
     if args.make_seed_checkpoint and os.environ["WORLD_SIZE"] != "1":
         parser.error("--make-seed-checkpoint runs on one process: use python, not torchrun with several ranks")
     ranks = PARALLEL[args.parallel][0]

@@ -1,0 +1,76 @@
+"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.4-2.13. 2 gloo ranks made
+with a 60 s timeout; the script shortens it to 2 s on the default group and on a subgroup, then rank 0
+enters an all_reduce that rank 1 never joins (rank 1 waits on the store until rank 0 is done). Natively
+before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and the lone all_reduce
+fails with gloo's timeout after about 2 s, not 60: as torch >= 2.14's own ``set_timeout`` does (the
+reference, where the patch stays out of the way)."""
+
+from conftest import RESULT, clean_env, only_torch, rank_result, run_ranks
+
+SCRIPT = """
+import datetime, json, os, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+store = dist.distributed_c10d._get_default_store()
+sub = dist.new_group([0, 1])
+out = {}
+try:
+    for group in (None, sub):
+        dist.set_timeout(datetime.timedelta(seconds=2), group)
+    out["served_as"] = dist.set_timeout.__module__ + "." + dist.set_timeout.__name__
+except AttributeError as exc:
+    out["error"] = f"AttributeError: {exc}"
+if "error" not in out:
+    if rank == 0:  # rank 1 never joins these: each must give up after the group's timeout
+        for name, group in (("default", None), ("subgroup", sub)):
+            start = time.monotonic()
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+                out[name] = "completed"
+            except RuntimeError as exc:
+                out[name] = {"seconds": time.monotonic() - start, "error": str(exc)[:200]}
+        store.set("done", "1")
+    else:
+        store.wait(["done"], datetime.timedelta(seconds=120))
+try:
+    import torchpatch
+    out["status"] = torchpatch.status().get("set-timeout")
+except ImportError:
+    out["status"] = None
+if rank == 0:
+    print(RESULT + json.dumps(out), flush=True)
+os._exit(0)  # the pairs timed out: leave without the process group's teardown
+""".replace("RESULT", repr(RESULT))
+
+
+def run(tmp_path, **env):
+    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return rank_result(proc)
+
+
+@only_torch(">=2.4,<2.14")
+def test_native_has_no_set_timeout(tmp_path):
+    out = run(tmp_path)
+    assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
+
+
+def check_timeouts(out):
+    for name in ("default", "subgroup"):
+        assert isinstance(out[name], dict), out
+        assert "Timed out" in out[name]["error"], out
+        assert 1.5 <= out[name]["seconds"] < 30, out  # the new 2 s, not the 60 s the groups were made with
+
+
+@only_torch(">=2.4,<2.14")
+def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
+    out = run(tmp_path, TORCHPATCH="1")
+    assert out["status"] == "applied" and out["served_as"] == "torch.distributed.distributed_c10d._set_pg_timeout", out
+    check_timeouts(out)
+
+
+@only_torch(">=2.14", "the reference: torch's own set_timeout")
+def test_inactive_and_native_semantics(tmp_path):
+    out = run(tmp_path, TORCHPATCH="1")
+    assert out["status"] is None and out["served_as"] == "torch.distributed.distributed_c10d.set_timeout", out
+    check_timeouts(out)
