@@ -2,7 +2,8 @@
 
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
     nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
-                          # with torchtitan's releases where CI tries them (tests/test_torchtitan.py)
+                          # with torchtitan's releases where CI tries them (tests/test_torchtitan.py),
+                          # and torchtitan's newer releases on torch 2.13.0 (the torchtitan session)
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -43,13 +44,18 @@ MATRIX: dict[str, list[str]] = {
 # The newest torch a machine-wide pip constraint may allow; newer ones install with pip's config off.
 CONSTRAINED_ABOVE = Version("2.14.1")
 
-# torchtitan release -> the matrix torches whose sessions import and train it (tests/test_torchtitan.py):
-# 0.1.0 on every torch from 2.4 (2.4 is where its patches apply, 2.15 the newest); 0.2.2 and 0.3.0 on 2.14,
-# the oldest matrix torch they train on (their import surveys cost minutes a torch: 97 and 173 modules).
-# Each is installed without dependencies into a directory of its own under the venv cache (shared by
-# the sessions: pure Python); its light dependencies go into the session's venv. torchdata, spmd_types
-# and torch_checkpointing require a torch of their own choosing: installed without dependencies.
-TORCHTITAN = {"0.1.0": SpecifierSet(">=2.4"), "0.2.2": SpecifierSet("==2.14.*"), "0.3.0": SpecifierSet("==2.14.*")}
+# torchtitan release -> the torches whose sessions import and train it (tests/test_torchtitan.py): 0.1.0
+# on every matrix torch from 2.4 (where its patches apply; 2.15 is the newest); 0.2.2 and 0.3.0 on 2.13,
+# the oldest torch they train on, in a session of their own (their import surveys cost minutes a torch:
+# 97 and 173 modules). Each is installed without dependencies into a directory of its own under the venv
+# cache (shared by the sessions: pure Python); its light dependencies go into the session's venv.
+# torchdata, spmd_types and torch_checkpointing require a torch of their own choosing: installed
+# without dependencies.
+TORCHTITAN = {"0.1.0": SpecifierSet(">=2.4,!=2.13.*"), "0.2.2": SpecifierSet("==2.13.*"),
+              "0.3.0": SpecifierSet("==2.13.*")}
+# torchtitan 0.2/0.3 import Triton kernels at module level; torch 2.13.0's CUDA builds bring this Triton,
+# its CPU wheel (this machine's default torch) does not.
+TORCHTITAN_TRITON = "triton==3.7.1"
 TORCHTITAN_DEPS = ["datasets>=3.6,<4.8", "tokenizers", "tiktoken", "blobfile", "tomli", "fsspec", "tyro",
                    "tensorboard", "einops", "pillow", "safetensors", "wandb"]
 TORCHTITAN_NO_DEPS = ["torchdata", "spmd_types==0.2.3", "torch_checkpointing"]
@@ -79,9 +85,10 @@ def _install_torchtitan(session: nox.Session, releases: list[str]) -> str:
     return ",".join(installed)
 
 
-def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> None:
+def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra: tuple[str, ...] = (),
+               tests: tuple[str, ...] = ("tests",)) -> None:
     pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
-    session.install(f"torch=={torch}", *MATRIX[torch], env=pip_env)
+    session.install(f"torch=={torch}", *MATRIX[torch], *extra, env=pip_env)
     wheel = _build_wheel(session)
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
@@ -89,7 +96,7 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False) -> No
     releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
     if releases:
         env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)
-    session.run("python", "-m", "pytest", *(session.posargs or ["tests"]), env=env)
+    session.run("python", "-m", "pytest", *(session.posargs or tests), env=env)
 
 
 @nox.session
@@ -103,3 +110,9 @@ def tests(session: nox.Session) -> None:
 def matrix(session: nox.Session, torch: str) -> None:
     """The suite on one other torch of the matrix (with the torchtitan releases ``TORCHTITAN`` gives it)."""
     _run_suite(session, torch, torchtitan=True)
+
+
+@nox.session(name="torchtitan", tags=["matrix"])
+def torchtitan_on_default_torch(session: nox.Session) -> None:
+    """torchtitan 0.2.2 and 0.3.0 on torch 2.13.0 (with Triton): tests/test_torchtitan.py."""
+    _run_suite(session, DEFAULT_TORCH, torchtitan=True, extra=(TORCHTITAN_TRITON,), tests=("tests/test_torchtitan.py",))

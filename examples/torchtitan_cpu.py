@@ -9,9 +9,12 @@ parallelism the loss lives on the last stage; it is taken from there). What make
 on a CPU machine lives here, not in torchpatch's catalogue: the device (torchtitan picks "cuda" when
 it finds no accelerator; this script points it at the CPU, so gloo is the backend), a byte-level
 tiktoken tokenizer and a small text dataset written on the spot (no downloads), float32 parameters
-(bf16 on CPU would only add rounding), and the trainer's flags for each parallelism. It speaks the
-trainer interfaces of torchtitan 0.1 (``torchtitan.config_manager``, a tiktoken tokenizer) and 0.2
-(``torchtitan.config``, a Hugging Face ``tokenizer.json``), told apart from the installed files.
+(bf16 on CPU would only add rounding), torchtitan 0.3's FlexAttention computed by
+scaled_dot_product_attention (torch's FlexAttention has no backward on CPU), and the trainer's flags
+for each parallelism. It speaks the trainer interfaces of torchtitan 0.1 (``torchtitan.config_manager``,
+a tiktoken tokenizer), 0.2 (``torchtitan.config``, a Hugging Face ``tokenizer.json``) and 0.3
+(``--module``/``--config`` from its config registry, tyro flags, ``config.build()``), told apart from
+the installed files.
 """
 
 from __future__ import annotations
