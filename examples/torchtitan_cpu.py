@@ -113,6 +113,7 @@ class TrainerAPI:
     activation_checkpoint: Dict[str, List[str]]  # "none" / "op" (per-op selective) -> the flags
     config_builds: bool  # the parsed config builds the trainer (0.3), or torchtitan.train.Trainer(config)
     flex_attention_only: bool  # its language models attend with FlexAttention (or CUDA's varlen) only (0.3)
+    registry: str = ""  # the config registry --module loads (0.3), imported first: ConfigManager hides its errors
 
 
 _MODE_AC = {"none": ["--activation_checkpoint.mode", "none"],
@@ -128,7 +129,8 @@ API_0_3 = TrainerAPI("torchtitan.config", API_0_2.seed_flags, "--checkpoint.enab
                      True, {"last_step": True}, ("--module", "llama3", "--config", "llama3_debugmodel", "--training.disable_cuda_graphs"),
                      {"--model.tokenizer_path": "--hf_assets_path", "--training.dataset": "--dataloader.dataset",
                       "--training.dataset_path": "--dataloader.dataset_path", "--job.dump_folder": "--dump_folder"},
-                     {"none": ["activation-checkpoint:none"], "op": ["activation-checkpoint:selective"]}, True, True)
+                     {"none": ["activation-checkpoint:none"], "op": ["activation-checkpoint:selective"]}, True, True,
+                     "torchtitan.models.llama3.config_registry")
 
 
 def _trainer_api() -> TrainerAPI:
@@ -169,6 +171,8 @@ def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type=None: CPUDeviceModule
     try:
+        if API.registry:
+            importlib.import_module(API.registry)
         config = importlib.import_module(API.config_module).ConfigManager().parse_args(flags)
         if API.flex_attention_only:
             from torchtitan.models.common.attention import FlexAttention
