@@ -1,4 +1,5 @@
-"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.4-2.13. 2 gloo ranks made
+"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.9-2.13 (not served on 2.4,
+whose ``_set_pg_timeout`` does not reach gloo's collectives). 2 gloo ranks made
 with a 60 s timeout; the script shortens it to 2 s on the default group and on a subgroup, then rank 0
 enters an all_reduce that rank 1 never joins (rank 1 waits on the store until rank 0 is done). Natively
 before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and the lone all_reduce
@@ -55,6 +56,13 @@ def test_native_has_no_set_timeout(tmp_path):
     assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
 
 
+@only_torch(">=2.4,<2.9", "2.4's _set_pg_timeout does not reach gloo's collectives")
+def test_not_served_where_the_private_function_does_not_reach_gloo(tmp_path):
+    out = run(tmp_path, TORCHPATCH="1")
+    assert out["status"] is None, out
+    assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
+
+
 def check_timeouts(out):
     for name in ("default", "subgroup"):
         assert isinstance(out[name], dict), out
@@ -62,7 +70,7 @@ def check_timeouts(out):
         assert 1.5 <= out[name]["seconds"] < 30, out  # the new 2 s, not the 60 s the groups were made with
 
 
-@only_torch(">=2.4,<2.14")
+@only_torch(">=2.9,<2.14")
 def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["status"] == "applied" and out["served_as"] == "torch.distributed.distributed_c10d._set_pg_timeout", out
