@@ -3,7 +3,7 @@
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
     nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
                           # with torchtitan's releases where CI tries them (tests/test_torchtitan.py),
-                          # and torchtitan's newer releases on torch 2.13.0 (the torchtitan session)
+                          # and torchtitan's newer releases on torch 2.13.0 (the torchtitan-on-2.13 session)
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -110,7 +110,8 @@ def matrix(session: nox.Session, torch: str) -> None:
     _run_suite(session, torch, torchtitan=True)
 
 
-@nox.session(name="torchtitan", tags=["matrix"])
+# (not named "torchtitan": its venv would take the directory that holds the releases)
+@nox.session(name="torchtitan-on-2.13", tags=["matrix"])
 def torchtitan_on_default_torch(session: nox.Session) -> None:
     """torchtitan 0.2.2 and 0.3.0 on torch 2.13.0 (with Triton): tests/test_torchtitan.py."""
     _run_suite(session, DEFAULT_TORCH, torchtitan=True, extra=(TORCHTITAN_TRITON,), tests=("tests/test_torchtitan.py",))
