@@ -20,7 +20,7 @@ Upstream:      torch 2.14 (``PipelineScheduleSingle.step`` / ``PipelineScheduleM
 """
 
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Set, Tuple
 
 from torchpatch import Patch, Patcher
 
@@ -56,28 +56,33 @@ def _check(schedule: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], model_k
     return arg_mbs, kwarg_mbs
 
 
-def _step(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    kwargs = dict(kwargs)
-    pre_split = {name: kwargs.pop(name, None) for name in PRE_SPLIT}
-    if all(value is None for value in pre_split.values()):
-        return wrapped(*args, **kwargs)
-    own = set(inspect.signature(wrapped).parameters)  # target, losses, return_outputs, ... of this torch
-    model_kwargs = {k: v for k, v in kwargs.items() if k not in own}
-    arg_mbs, kwarg_mbs = _check(instance, args, kwargs, model_kwargs, pre_split)
-    target_mbs = pre_split["target_mbs"]
-    step_microbatches = instance._step_microbatches
+def _stepper(own: Set[str]) -> Callable[..., Any]:
+    """The wrapper of one class's ``step``; ``own`` its parameters (target, losses, return_outputs, ...
+    of this torch), read once when the patch applies, not at every step."""
 
-    def split_inputs(args: Any, kwargs: Any = None) -> Tuple[list, list]:
-        return arg_mbs, kwarg_mbs
+    def step(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        kwargs = dict(kwargs)
+        pre_split = {name: kwargs.pop(name, None) for name in PRE_SPLIT}
+        if all(value is None for value in pre_split.values()):
+            return wrapped(*args, **kwargs)
+        model_kwargs = {k: v for k, v in kwargs.items() if k not in own}
+        arg_mbs, kwarg_mbs = _check(instance, args, kwargs, model_kwargs, pre_split)
+        target_mbs = pre_split["target_mbs"]
+        step_microbatches = instance._step_microbatches
 
-    def with_targets(arg_mbs: Any, kwarg_mbs: Any, target_mbs_: Any, *rest: Any, **kw: Any) -> Any:
-        return step_microbatches(arg_mbs, kwarg_mbs, target_mbs, *rest, **kw)
+        def split_inputs(args: Any, kwargs: Any = None) -> Tuple[list, list]:
+            return arg_mbs, kwarg_mbs
 
-    instance._split_inputs, instance._step_microbatches = split_inputs, with_targets
-    try:
-        return wrapped(**kwargs)
-    finally:
-        del instance._split_inputs, instance._step_microbatches
+        def with_targets(arg_mbs: Any, kwarg_mbs: Any, target_mbs_: Any, *rest: Any, **kw: Any) -> Any:
+            return step_microbatches(arg_mbs, kwarg_mbs, target_mbs, *rest, **kw)
+
+        instance._split_inputs, instance._step_microbatches = split_inputs, with_targets
+        try:
+            return wrapped(**kwargs)
+        finally:
+            del instance._split_inputs, instance._step_microbatches
+
+    return step
 
 
 @PATCH.on_import("torch.distributed.pipelining.schedules")
@@ -88,5 +93,5 @@ def accept_presplit_inputs(patcher: Patcher, schedules: Any) -> bool:
     owners = [cls for cls in vars(schedules).values()
               if isinstance(cls, type) and issubclass(cls, base) and "step" in vars(cls) and cls is not base]
     for cls in owners:
-        patcher.wrap(cls, "step", _step)
+        patcher.wrap(cls, "step", _stepper(set(inspect.signature(vars(cls)["step"]).parameters)))
     return bool(owners)
