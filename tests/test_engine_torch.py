@@ -147,7 +147,9 @@ if __name__ == "__main__":
     p.start()
     got = q.get(timeout=120)
     p.join()
-    print(f"rank {os.environ['RANK']} total {total} helper {got}", flush=True)
+    # One write(2) of the whole line: both ranks share torchrun's stdout pipe, and print() may write
+    # the text and its newline separately (unbuffered), so two ranks' lines could run together.
+    os.write(1, f"rank {os.environ['RANK']} total {total} helper {got}\\n".encode())
 """
 
 
