@@ -29,14 +29,14 @@ def index() -> str:
 
 
 def table() -> str:
-    rows = ["| id | torch | provides | what it fixes | upstream |", "|---|---|---|---|---|"]
+    rows = ["| id | category | torch | provides | what it fixes | upstream |", "|---|---|---|---|---|---|"]
     for p in builtin_patches():
         items = [f"module `{m}`" for m in p.modules] + [f"`{m}.{n}`" for m, n in p.symbols]
         if p.aliases:
             items.append(f"{len(p.aliases)} module aliases")
         provides = "<br>".join(items + ([p.behaviour] if p.behaviour else []))
         python = f" (Python {p.python})" if p.python else ""
-        rows.append(f"| `{p.id}` | `{p.torch}`{python} | {provides} | {p.summary} | [link]({p.upstream}) |")
+        rows.append(f"| `{p.id}` | {p.category} | `{p.torch}`{python} | {provides} | {p.summary} | [link]({p.upstream}) |")
     return "\n".join(rows)
 
 

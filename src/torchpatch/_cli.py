@@ -92,6 +92,7 @@ def _plan_rows(plans: List[PatchPlan]) -> List[Dict[str, Any]]:
         {
             "id": p.patch.id,
             "summary": p.patch.summary,
+            "category": p.patch.category,
             "torch": p.patch.torch,
             "applies": p.applies,
             "applies_reason": p.applies_reason,
@@ -116,7 +117,8 @@ def cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         applies = "applies" if r["applies"] else f"n/a ({r['applies_reason']})"
         state = ("on" if r["enabled"] else "off") + f" ({r['enabled_reason']})"
-        print(f"  {r['id']:<{width}}  {applies}; {state}\n  {'':<{width}}  {r['summary']}")
+        tag = " [silent wrong results]" if r["category"] == "correctness" else ""
+        print(f"  {r['id']:<{width}}  {applies}; {state}{tag}\n  {'':<{width}}  {r['summary']}")
     return 0
 
 

@@ -9,6 +9,10 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 
 _ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+# What a patch is for: "compatibility" (code written for another torch runs here: a missing module,
+# symbol or feature, a removed name, a behaviour that fails loudly) or "correctness" (this torch runs
+# the code but silently computes a wrong result, which the patch makes right).
+CATEGORIES = ("compatibility", "correctness")
 _MISSING = object()
 _CALL = object()
 
@@ -93,7 +97,7 @@ class Patch:
     torch's base version; ``python`` likewise against the interpreter. A patch only ever *adds* what
     the installed torch lacks: shim modules are served only for modules that do not exist, symbols
     only where the attribute is missing, and behaviour hooks say ``False`` when torch already has
-    the fix.
+    the fix. ``category`` is one of :data:`CATEGORIES`.
     """
 
     id: str
@@ -103,6 +107,7 @@ class Patch:
     requires: Tuple[str, ...] = ()
     python: str = ""
     behaviour: str = ""
+    category: str = "compatibility"
     modules: Dict[str, ModuleBuilder] = field(default_factory=dict, repr=False)
     aliases: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (name, target, torch)
     symbols: Dict[Tuple[str, str], SymbolFactory] = field(default_factory=dict, repr=False)
@@ -113,6 +118,8 @@ class Patch:
     def __post_init__(self) -> None:
         if not _ID.match(self.id):
             raise ValueError(f"patch id {self.id!r} is not kebab-case")
+        if self.category not in CATEGORIES:
+            raise ValueError(f"patch {self.id}: category {self.category!r} is not one of {', '.join(CATEGORIES)}")
         self.requires = tuple(self.requires)
 
     @property
