@@ -9,8 +9,11 @@ import site
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from _torchpatch_startup import parse_flag
+
 from . import _versions
 from ._config import Config
+from ._known_bugs import known_bugs_for
 from ._manager import PatchPlan, __version__, plan
 from ._patch import Patch
 
@@ -145,6 +148,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "warnings": cfg.warnings + _untested(torch, NEWEST_TESTED_TORCH, plans),
         "hazards": _hazards(torch),
         "not_backportable": _not_backportable(torch, [p.patch for p in plans], cfg),
+        "silent_bugs": known_bugs_for(torch, plans, parse_flag(os.environ.get("TORCHPATCH", "0")) is True),
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -165,6 +169,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     lines += [f"HAZARD       {h}" for h in report["hazards"]] or ["hazards      none found"]
     lines += [f"not here     {e['what']}: {e['name']} needs torch {e['torch']} (cannot be backported)"
               for e in report["not_backportable"]]
+    lines += [(f"silent bug   fixed: {b['id']}" if b["fixed"] else f"SILENT BUG   NOT FIXED: {b['id']}")
+              + f" (torch {b['torch']}): {b['what']}; {b['why']}; {b['upstream']}" for b in report["silent_bugs"]]
+    if torch and not report["silent_bugs"]:
+        lines.append(f"silent bugs  none known for torch {torch}")
     print("\n".join(lines))
     return 0
 

@@ -1,0 +1,55 @@
+"""Known silent-correctness bugs of torch releases, and whether this process fixes them.
+
+The bugs are catalogue data (``patches/silent_bugs.json``): each entry names the torch versions it
+affects, the upstream fix, and the catalogue patch that fixes it or why none can. ``torchpatch
+doctor`` lists those of the installed torch with their state under the process's ``TORCHPATCH*``
+variables.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from . import _versions
+from ._manager import PatchPlan
+
+FILE = "silent_bugs.json"
+
+
+@functools.lru_cache(maxsize=None)
+def known_bugs() -> List[Dict[str, Any]]:
+    """Every entry of ``patches/silent_bugs.json``."""
+    from . import patches
+
+    data = json.loads((Path(patches.__file__).resolve().parent / FILE).read_text())
+    return list(data["entries"])
+
+
+def _state(entry: Dict[str, Any], plans: Dict[str, PatchPlan], on: bool) -> Dict[str, Any]:
+    """Whether ``entry`` is fixed in this configuration, and what to do where it is not."""
+    patch_id: Optional[str] = entry.get("patch")
+    if patch_id is None:
+        return {"fixed": False, "why": f"no patch can fix it: {entry['not_fixable']}"}
+    p = plans.get(patch_id)
+    if p is None:
+        return {"fixed": False, "why": f"patch {patch_id} is not in this catalogue"}
+    if not p.applies:
+        return {"fixed": False, "why": f"patch {patch_id} does not apply here ({p.applies_reason})"}
+    if not p.decision.enabled:
+        return {"fixed": False, "why": f"patch {patch_id} is switched off ({p.decision.reason})"}
+    if not on:
+        return {"fixed": False, "why": f"torchpatch is off: set TORCHPATCH=1 (patch {patch_id} fixes it)"}
+    return {"fixed": True, "why": f"fixed by patch {patch_id}"}
+
+
+def known_bugs_for(torch: Optional[str], plans: Sequence[PatchPlan], on: bool) -> List[Dict[str, Any]]:
+    """The known bugs of ``torch`` (none when torch is not installed), each with ``fixed`` and
+    ``why``; ``on`` says whether torchpatch is on in this configuration (``TORCHPATCH=1``)."""
+    if not torch:
+        return []
+    by_id = {p.patch.id: p for p in plans}
+    return [dict(entry, **_state(entry, by_id, on)) for entry in known_bugs()
+            if _versions.matches(entry["torch"], torch)]
