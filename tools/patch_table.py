@@ -1,4 +1,5 @@
-"""Generate, from the patches' own metadata, the README's patch table and the catalogue's index
+"""Generate, from the patches' own metadata, the README's patch table, its table of known silent
+bugs (``patches/silent_bugs.json``) and the catalogue's index
 (``patches/_index.json``: each module's patch ids with their torch and Python specifiers, which lets
 activation import only the patch modules that can apply to the installed torch).
 
@@ -14,12 +15,13 @@ import json
 import sys
 from pathlib import Path
 
+from torchpatch._known_bugs import known_bugs
 from torchpatch._registry import INDEX, _load, builtin_patches, catalogue_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 INDEX_FILE = ROOT / "patches" / INDEX
-BEGIN, END = "<!-- patch-table:begin -->", "<!-- patch-table:end -->"
+TABLES = {"patch-table": lambda: table(), "silent-bugs": lambda: bugs_table()}
 
 
 def index() -> str:
@@ -40,10 +42,21 @@ def table() -> str:
     return "\n".join(rows)
 
 
+def bugs_table() -> str:
+    rows = ["| bug | torch | what goes wrong (silently) | fixed by | upstream |", "|---|---|---|---|---|"]
+    for b in known_bugs():
+        fix = f"`{b['patch']}`" if b["patch"] else f"not fixable: {b['not_fixable']}"
+        rows.append(f"| `{b['id']}` | `{b['torch']}` | {b['what']} | {fix} | [link]({b['upstream']}) |")
+    return "\n".join(rows)
+
+
 def render(text: str) -> str:
-    head, rest = text.split(BEGIN, 1)
-    _old, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table()}\n{END}{tail}"
+    for name, make in TABLES.items():
+        begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+        head, rest = text.split(begin, 1)
+        _old, tail = rest.split(end, 1)
+        text = f"{head}{begin}\n{make()}\n{end}{tail}"
+    return text
 
 
 def main() -> int:
