@@ -4,23 +4,26 @@ What breaks:   on a gloo group, every tensor reduce-scatter reduces with SUM wha
                given, silently: ``dist.reduce_scatter_tensor(out, x, op=ReduceOp.MAX)``,
                ``funcol.reduce_scatter_tensor(x, "max", 0, group)`` and so DTensor's
                ``Partial("max").redistribute(mesh, [Shard(0)])`` hand back the sum of the ranks'
-               values (2 ranks holding 1.0 and 4.0: 5.0, where the max is 4.0); MIN, PRODUCT and the
-               bitwise ops likewise; AVG (``Partial("avg")`` to ``Shard``, FSDP2's gradient
-               reduce-scatter) gives the sum, group-size times too large, where gloo's all-reduce
-               would raise ``Cannot use ReduceOp.AVG with Gloo``; PREMUL_SUM drops its factor.
+               values (2 ranks holding 1.0 and 4.0: 5.0, where the max is 4.0); MIN, PRODUCT and
+               the bitwise ops likewise (ints 6 and 5: BAND gives 11); AVG (``Partial("avg")`` to
+               ``Shard``, FSDP2's gradient reduce-scatter) gives the sum, group-size times too
+               large, where gloo's all-reduce would raise ``Cannot use ReduceOp.AVG with Gloo``;
+               PREMUL_SUM drops its factor (where gloo's all-reduce raises ``Cannot use
+               ReduceOp.PREMUL_SUM with Gloo``).
 Torch:         ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` (which ``_reduce_scatter_base``
-               calls; pytorch#118911, Feb. 2024, so torch 2.3 on) simulates the collective by an
-               all-reduce of a copy and takes this rank's chunk; it fills ``AllreduceOptions`` with
-               the op and then calls ``allreduce(inp)`` without them. pytorch#149869 (2025-03)
-               passes them, and torch 2.9.0, 2.13.0 and 2.15.0 reduce right (run here); 2.4.1
-               sums (run here); 2.5 and 2.6 have 2.4's code (source); whether 2.7 took #149869 the
-               source here does not tell, so 2.7 is in the range and the probe below decides. 2.1
-               is right: gloo had no tensor reduce-scatter and funcol fell back to an all-reduce
-               with the op (run here); 2.2's gloo had a fallback of its own (pytorch#112144,
-               all-reduce + scatter) whose source was not found: in the range, the probe decides.
-               The hook probes the installed torch once: a one-rank gloo group reduce-scatters a
-               float tensor with ``ReduceOp.BAND``, which gloo's all-reduce refuses for floats; a
-               torch that passes the op raises, and then nothing is changed.
+               calls) simulates the collective by an all-reduce of a copy and keeps this rank's
+               chunk; it fills ``AllreduceOptions`` with the op, then calls ``allreduce(inp)``
+               without them. That code came with pytorch#118911 (Feb. 2024: torch 2.3), and
+               pytorch#149869 (opened 2025-03-24) is the change that passes the options. Run here:
+               2.4.1 sums; 2.9.0, 2.13.0, 2.14.1 and 2.15.0 reduce right; 2.1.2 is right (gloo had
+               no tensor reduce-scatter: ``dist.reduce_scatter_tensor`` raises, funcol falls back
+               to an all-reduce with the op). Not run (no such torch here): 2.3, 2.5 and 2.6
+               (released before #149869: the bug, by source), 2.7 (released 2025-04: whether it took #149869
+               the sources here do not tell) and 2.2 (gloo's earlier fallback of pytorch#112144,
+               all-reduce + scatter, whose source was not found). So the specifier spans 2.2-2.7
+               and the hook decides by behaviour: once, a one-rank gloo group (loopback, no peer)
+               reduce-scatters a float tensor with ``ReduceOp.BAND``, which gloo's all-reduce
+               refuses for floats; a torch that passes the op raises, and nothing is changed.
 Fix:           on a group whose backend for the tensor's device is gloo, a reduce-scatter with an
                op other than SUM is done as the fixed torch does it: an all-reduce of a copy of
                the input with the op, this rank's chunk copied out (``ProcessGroup.
@@ -28,8 +31,8 @@ Fix:           on a group whose backend for the tensor's device is gloo, a reduc
                ``dist.reduce_scatter_tensor`` also in a coalescing manager; and
                ``funcol.reduce_scatter_tensor``/``reduce_scatter_tensor_coalesced``, whose native
                op calls the group from C++). AVG is a SUM divided by the group's size, as gloo's
-               AVG (torch >= 2.7) computes it; integer outputs of AVG raise on the
-               cast back, funcol's give a float average. Calls done this way wait before they
+               AVG (torch >= 2.7) computes it; integer outputs of AVG raise on the cast back,
+               funcol's give a float average. Calls done this way wait before they
                return (``async_op=True`` gets a finished work). SUM and other backends are
                torch's own; code traced into a graph that calls ``torch.ops._c10d_functional``
                directly is not covered.

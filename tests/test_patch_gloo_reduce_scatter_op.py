@@ -2,7 +2,7 @@
 
 On 2 real ranks (gloo), torch 2.4's gloo reduce-scatter sums whatever op it is given: DTensor's
 ``Partial("max"/"min"/"avg")`` redistributed to ``Shard(0)`` (even and uneven sizes, a 1-D mesh and
-the size-2 dimension of a (2, 1) mesh), ``funcol.reduce_scatter_tensor`` (scatter dimension 0 and
+the size-2 dimension of a (2, 1) and of a (1, 2) mesh), ``funcol.reduce_scatter_tensor`` (scatter dimension 0 and
 1) and ``reduce_scatter_tensor_coalesced``, and ``dist.reduce_scatter_tensor`` (also with
 ``async_op=True`` and in a coalescing manager) give the sum of the ranks' tensors; natively and with
 the patch switched off every such case differs from the reduction computed locally from every
@@ -43,6 +43,7 @@ def waited(y):
 
 mesh = init_device_mesh("cpu", (world,))
 mesh2 = init_device_mesh("cpu", (world, 1))
+mesh12 = init_device_mesh("cpu", (1, world))
 out = {}
 for op in ("max", "min", "avg", "sum"):
     for rows in (4, 5):  # 5 rows: uneven shards (DTensor pads for the reduce-scatter)
@@ -51,6 +52,8 @@ for op in ("max", "min", "avg", "sum"):
         out[f"dtensor/{op}/{rows}/shard"] = torch.equal(d.to_local(), ref.chunk(world)[rank]) and torch.equal(d.full_tensor(), ref)
     d = DTensor.from_local(data(rank), mesh2, [Partial(op), Replicate()]).redistribute(mesh2, [Shard(0), Replicate()])
     out[f"dtensor/{op}/mesh2d/shard"] = torch.equal(d.full_tensor(), reduced(op))
+    d = DTensor.from_local(data(rank), mesh12, [Replicate(), Partial(op)]).redistribute(mesh12, [Replicate(), Shard(0)])
+    out[f"dtensor/{op}/mesh12/shard"] = torch.equal(d.full_tensor(), reduced(op))
     out[f"funcol/{op}/dim0"] = torch.equal(waited(funcol.reduce_scatter_tensor(data(rank), op, 0, mesh)),
                                            reduced(op).chunk(world)[rank])
     out[f"funcol/{op}/dim1"] = torch.equal(waited(funcol.reduce_scatter_tensor(data(rank, 3, 4), op, 1, mesh)),
