@@ -21,9 +21,11 @@ Torch:         ``ProcessGroupGloo::reduce_scatter_tensor_coalesced`` (which ``_r
                (released before #149869: the bug, by source), 2.7 (released 2025-04: whether it took #149869
                the sources here do not tell) and 2.2 (gloo's earlier fallback of pytorch#112144,
                all-reduce + scatter, whose source was not found). So the specifier spans 2.2-2.7
-               and the hook decides by behaviour: once, a one-rank gloo group (loopback, no peer)
-               reduce-scatters a float tensor with ``ReduceOp.BAND``, which gloo's all-reduce
-               refuses for floats; a torch that passes the op raises, and nothing is changed.
+               and the fix decides by behaviour, lazily: the first reduce-scatter with an op other than
+               SUM on a gloo group asks, once per process, a one-rank gloo group (loopback, no peer)
+               to reduce-scatter a float tensor with ``ReduceOp.BAND``, which gloo's all-reduce
+               refuses for floats; on a torch that passes the op it raises, and every call goes to
+               torch's own code. A job that never reduce-scatters with such an op never asks.
 Fix:           on a group whose backend for the tensor's device is gloo, a reduce-scatter with an
                op other than SUM is done as the fixed torch does it: an all-reduce of a copy of
                the input with the op, this rank's chunk copied out (``ProcessGroup.
@@ -133,7 +135,8 @@ def _needs_fix(group: Any, outputs: List[Any], inputs: List[Any], opts: Any) -> 
     import torch.distributed as dist
 
     return (bool(inputs) and len(outputs) == len(inputs) and _kind(opts.reduceOp) != dist.ReduceOp.SUM
-            and _is_gloo(group, inputs[0]) and all(_fits(group, o, i) for o, i in zip(outputs, inputs)))
+            and _is_gloo(group, inputs[0]) and all(_fits(group, o, i) for o, i in zip(outputs, inputs))
+            and gloo_ignores_reduce_scatter_op())
 
 
 def _bind(instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], names: Tuple[str, str]) -> Tuple[Any, Any, Any, Any]:
@@ -183,8 +186,8 @@ def _funcol_reduce_scatter(wrapped: Any, instance: Any, args: Tuple[Any, ...], k
 
     x, dim, group, tag = a["self"], a["scatter_dim"], a["group"], a.get("tag", "")
     pg = _funcol_group(funcol, group, tag)
-    if not _is_gloo(pg, x) or x.dim() == 0 or x.size(dim) % pg.size() != 0:
-        return wrapped(*args, **kwargs)  # another backend, or torch's own assertion on the size
+    if not _is_gloo(pg, x) or x.dim() == 0 or x.size(dim) % pg.size() != 0 or not gloo_ignores_reduce_scatter_op():
+        return wrapped(*args, **kwargs)  # another backend, torch's own assertion on the size, or a fixed gloo
     if op == "avg":
         return _as_collective_result(funcol, wrapped(x, "sum", dim, group, tag) / pg.size())
     reduced = funcol.all_reduce(x, op, group, tag)
@@ -199,14 +202,14 @@ def _funcol_reduce_scatter_coalesced(wrapped: Any, instance: Any, args: Tuple[An
         return wrapped(*args, **kwargs)
     import torch.distributed._functional_collectives as funcol
 
-    if not _is_gloo(_funcol_group(funcol, group, tag), inputs[0]):
+    if not _is_gloo(_funcol_group(funcol, group, tag), inputs[0]) or not gloo_ignores_reduce_scatter_op():
         return wrapped(*args, **kwargs)
     return [funcol.reduce_scatter_tensor(x, op, d, group, tag) for x, d in zip(inputs, dims)]
 
 
-@PATCH.on_import("torch")  # once torch is whole: the probe's collective cannot run inside its import
-def reduce_with_the_op(patcher: Patcher, torch: Any) -> bool:
-    if not gloo_ignores_reduce_scatter_op():
+@PATCH.on_import("torch.distributed")
+def reduce_with_the_op(patcher: Patcher, dist: Any) -> bool:
+    if not dist.is_available() or not dist.is_gloo_available():
         return False
     from torch._C._distributed_c10d import ProcessGroup
 
@@ -217,8 +220,8 @@ def reduce_with_the_op(patcher: Patcher, torch: Any) -> bool:
 
 @PATCH.on_import("torch.distributed._functional_collectives")
 def funcol_reduce_with_the_op(patcher: Patcher, funcol: Any) -> bool:
-    if not hasattr(funcol, "_resolve_group_name") or not gloo_ignores_reduce_scatter_op():
-        return False
+    if not hasattr(funcol, "_resolve_group_name"):
+        return False  # torch 2.1's module: gloo has no tensor reduce-scatter there
     patcher.wrap(funcol, "reduce_scatter_tensor", _funcol_reduce_scatter)
     patcher.wrap(funcol, "reduce_scatter_tensor_coalesced", _funcol_reduce_scatter_coalesced)
     return True

@@ -9,7 +9,7 @@ the patch switched off every such case differs from the reduction computed local
 rank's input, with ``TORCHPATCH=1`` every case equals it. SUM and ``Partial -> Replicate`` (an
 all-reduce, right natively) are torch's own and right in every run. On torch 2.9 and 2.15 (fixed
 upstream) the same script is right and the patch is not applied. The patch's one-rank probe tells
-the two kinds of torch apart by behaviour.
+the two kinds of torch apart by behaviour; it is asked only by a non-SUM reduce-scatter on gloo.
 """
 
 import pytest
@@ -113,7 +113,7 @@ def test_native_reduce_scatter_sums(tmp_path, env):
 @only_torch(">=2.2", "torch 2.1's gloo has no tensor reduce-scatter (dist.reduce_scatter_tensor raises)")
 def test_reduce_scatter_reduces_with_its_op(tmp_path):
     for rank, out in enumerate(_run(tmp_path, clean_env(TORCHPATCH="1"))):
-        assert out.pop("status") == ("applied" if torch_matches(">=2.3,<2.7") else None)
+        assert out.pop("status") == ("applied" if torch_matches(">=2.2,<2.8") else None)
         assert out.pop("example_rank_value") == ([4.0] if rank == 0 else [2.0])
         assert all(v is True for v in out.values()), {k: v for k, v in out.items() if v is not True}
 
@@ -131,3 +131,22 @@ def test_probe_tells_the_bug_by_behaviour(spec, ignores):
     if not torch_matches(spec):
         pytest.skip(f"needs torch {spec}")
     assert run_json(PROBE, env=clean_env()) == {"ignores_op": ignores}
+
+
+NOT_ASKED = """
+import json, torch, torch.distributed as dist, torch.distributed._functional_collectives as funcol
+from torchpatch.patches import gloo_reduce_scatter_op as patch
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+o = torch.empty(2)
+dist.reduce_scatter_tensor(o, torch.ones(2))  # SUM: torch's own, nothing to ask
+funcol.reduce_scatter_tensor(torch.ones(2), "sum", 0, dist.group.WORLD).wait()
+asked = patch._probe is not None
+dist.reduce_scatter_tensor(o, torch.ones(2), op=dist.ReduceOp.MAX)  # asks, once
+import torchpatch
+print(json.dumps({"status": torchpatch.status().get("gloo-reduce-scatter-op"), "asked": [asked, patch._probe]}))
+"""
+
+
+@only_torch(">=2.3,<2.7")
+def test_probe_is_asked_only_by_a_reduce_scatter_that_needs_it():
+    assert run_json(NOT_ASKED, env=clean_env(TORCHPATCH="1")) == {"status": "applied", "asked": [False, True]}
