@@ -41,24 +41,30 @@ def late(key):
             pass
 
 def opendit(step):  # OpenDiT's AsyncAllGatherForTwo: the remote half of an all-gather, through a view
-    late(f"gather{step}")
+    late(f"opendit{step}")
     allx = all_gather_tensor(data(rank, step).unsqueeze(0), 0, group)
     y = F.linear(allx[1 - rank].view(B * S, H), w)
     return y, F.linear(data(1 - rank, step).view(B * S, H), w)
 
+def remote_chunk(step):  # the other rank's chunk of a gather along dim 0, transposed, then copied
+    late(f"remote_chunk{step}")
+    allx = all_gather_tensor(data(rank, step), 0, group)
+    y = allx.chunk(world)[1 - rank].transpose(1, 2).contiguous()
+    return y, data(1 - rank, step).transpose(1, 2).contiguous()
+
 def reduced_slice(step):  # an all-reduce result from its second row on
-    late(f"reduce{step}")
+    late(f"reduced_slice{step}")
     total = all_reduce(data(rank, step), "sum", group)
     y = total[1:] * 2
     return y, (data(0, step) + data(1, step))[1:] * 2
 
 out = {}
-for name, fn in [("opendit", opendit), ("reduced_slice", reduced_slice)]:
+for name, fn in [("opendit", opendit), ("remote_chunk", remote_chunk), ("reduced_slice", reduced_slice)]:
     out[name] = []
     for step in range(STEPS):
         y, ref = fn(step)
         if rank == 0:
-            store.set(("gather" if name == "opendit" else "reduce") + str(step), "1")
+            store.set(f"{name}{step}", "1")
         out[name].append([torch.equal(y, ref), float((y - ref).abs().max())])
 import torchpatch
 out["status"] = torchpatch.status().get(PATCH_ID)
@@ -69,6 +75,9 @@ if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
 """
 SCRIPT = f"RESULT, PATCH_ID, STEPS = {RESULT!r}, {ID!r}, {STEPS}\n" + SCRIPT + LEAVE_WITHOUT_TEARDOWN
+
+
+RIGHT = {name: [[True, 0.0]] * STEPS for name in ("opendit", "remote_chunk", "reduced_slice")}
 
 
 def _run(tmp_path, **env):
@@ -84,9 +93,11 @@ def test_offset_view_reads_unfinished_buffer(tmp_path, env):
     assert rank0["status"] is None and rank1["status"] is None
     # rank 0's views start after the buffer's first element: read before rank 1 sent, every step
     assert [ok for ok, _ in rank0["opendit"]] == [False] * STEPS, rank0
+    assert [ok for ok, _ in rank0["remote_chunk"]] == [False] * STEPS, rank0
     assert [ok for ok, _ in rank0["reduced_slice"]] == [False] * STEPS, rank0
-    # rank 1's gather view starts at the buffer's first element, which torch 2.1 does wait for
+    # rank 1's gather views start at the buffer's first element, which torch 2.1 does wait for
     assert [ok for ok, _ in rank1["opendit"]] == [True] * STEPS, rank1
+    assert [ok for ok, _ in rank1["remote_chunk"]] == [True] * STEPS, rank1
 
 
 @only_torch(">=1.13", "")
@@ -97,7 +108,14 @@ def test_offset_view_right_with_torchpatch(tmp_path):
         served = out.pop("functional_collectives")
         if torch_matches("<2.0"):
             assert served == "applied"  # torchpatch's synchronous functional collectives serve the module
-        assert out == {"opendit": [[True, 0.0]] * STEPS, "reduced_slice": [[True, 0.0]] * STEPS}, out
+        assert out == RIGHT, out
+
+
+@only_torch(">=2.4", "native functional collectives only: views share their storage's work")
+def test_offset_view_right_natively_on_fixed_torch(tmp_path):
+    for out in _run(tmp_path):
+        assert out.pop("status") is None and out.pop("functional_collectives") is None
+        assert out == RIGHT, out
 
 
 UNDO = """
