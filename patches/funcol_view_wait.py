@@ -72,21 +72,24 @@ def _offset_view_waits(funcol: ModuleType, impl: ModuleType) -> Optional[bool]:
     registry (native functional collectives), else whether using ``result[1]`` waits."""
     import torch
 
-    work = _ProbeWork()
-    buf = torch.zeros(2, 2)
-    impl._register_tensor_work(buf, work)
+    def stand_in() -> Tuple["torch.Tensor", _ProbeWork, Any]:
+        buf, work = torch.zeros(2, 2), _ProbeWork()
+        impl._register_tensor_work(buf, work)
+        return buf, work, impl.data_ptr_to_work[buf.data_ptr()]
+
+    buf, work, registration = stand_in()
     funcol.wait_tensor(buf)
-    if not work.waited:
+    legacy = work.waited
+    registration.wait()  # settles the stand-in's registration whatever wait_tensor did
+    if not legacy:
         return None  # wait_tensor goes elsewhere (native funcol): the legacy registry is not in use
-    work = _ProbeWork()
-    buf = torch.zeros(2, 2)
-    impl._register_tensor_work(buf, work)
+    buf, work, registration = stand_in()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch's "inner tensor is already gone" for the offset view
         result = funcol._maybe_wrap_tensor(buf)
         (result[1] + 0).sum()
     waited = work.waited
-    funcol.wait_tensor(buf)  # settle the stand-in's registration either way
+    registration.wait()
     return waited
 
 
