@@ -1,13 +1,15 @@
 """funcol-view-wait: a view at an offset of a functional collective's result waits for the collective.
 
-On 2 real ranks (gloo), OpenDiT's ``AsyncAllGatherForTwo`` pattern ``F.linear(all_gather_tensor(x.unsqueeze(0),
-0, group)[1 - rank].view(...), w)`` and an offset slice of an ``all_reduce`` result are compared exactly with
-the same computation on the inputs every rank can make for every rank. Rank 1 joins each collective
-late: it waits (up to WINDOW seconds) until rank 0 has read its result. So on torch 2.1 without the patch
-rank 0 reads the buffer before rank 1's data are in it, in every step, deterministically (no race to
-win); with the patch rank 0's read waits for the collective, rank 1 joins when its wait times out, and
-every value is right. On torch 2.4.1+ (native functional collectives) the patch is not applied and the
-same script is right; on 1.13 torchpatch's own synchronous functional collectives are.
+On 2 real ranks (gloo), three reads of the other rank's part of a collective's result are compared
+exactly with the same computation on the inputs (every rank can make every rank's input): OpenDiT's
+``AsyncAllGatherForTwo`` forward (``F.linear(all_gather_tensor(x.unsqueeze(0), 0, group)[1 - rank].view(...),
+w, b)`` inside an autograd.Function), the other rank's ``chunk`` of a gather, transposed and copied, and
+an ``all_reduce`` result from its second row on. Rank 1 joins each collective late: it waits (up to
+WINDOW seconds) until rank 0 has read its result. So on torch 2.1 without the patch rank 0 reads the
+buffer before rank 1's data are in it, in every step, deterministically (no race to win); with the
+patch rank 0's read waits for the collective, rank 1 joins when its wait times out, and every value
+is right. On torch 2.4.1+ (native functional collectives) the patch is not applied and the same script
+is right, natively too; on 1.13 torchpatch's own synchronous functional collectives are right.
 """
 
 import pytest
@@ -27,6 +29,7 @@ store = dist.PrefixStore("funcol-view-wait", dist.distributed_c10d._get_default_
 WINDOW = datetime.timedelta(seconds=2)
 B, S, H = 2, 8, 16
 w = torch.randn(24, H, generator=torch.Generator().manual_seed(7))
+b = torch.randn(24, generator=torch.Generator().manual_seed(8))
 
 def data(r, step):  # what rank r holds at a step; every rank can compute every rank's tensor
     return torch.randn(B, S, H, generator=torch.Generator().manual_seed(1000 * step + r)) + 3.0
@@ -40,11 +43,18 @@ def late(key):
         except Exception:
             pass
 
-def opendit(step):  # OpenDiT's AsyncAllGatherForTwo: the remote half of an all-gather, through a view
+class AsyncAllGatherForTwo(torch.autograd.Function):  # OpenDiT's forward, up to the remote projection
+    @staticmethod
+    def forward(ctx, inputs, weight, bias, sp_rank, group):
+        all_inputs = all_gather_tensor(inputs.unsqueeze(0), 0, group)
+        local_qkv = F.linear(inputs, weight, bias).unsqueeze(0)
+        remote_inputs = all_inputs[1 - sp_rank].view(list(local_qkv.shape[:-1]) + [-1])
+        return F.linear(remote_inputs, weight, bias)
+
+def opendit(step):  # the remote half of an all-gather, through a view
     late(f"opendit{step}")
-    allx = all_gather_tensor(data(rank, step).unsqueeze(0), 0, group)
-    y = F.linear(allx[1 - rank].view(B * S, H), w)
-    return y, F.linear(data(1 - rank, step).view(B * S, H), w)
+    y = AsyncAllGatherForTwo.apply(data(rank, step), w, b, rank, group)
+    return y, F.linear(data(1 - rank, step), w, b).unsqueeze(0)
 
 def remote_chunk(step):  # the other rank's chunk of a gather along dim 0, transposed, then copied
     late(f"remote_chunk{step}")
