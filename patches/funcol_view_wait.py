@@ -61,10 +61,10 @@ class _ProbeWork:
         return True
 
 
-def _legacy_registry(impl: ModuleType) -> Optional[Dict[int, Any]]:
-    """The data_ptr -> registration dict when torch's functional collectives wait through it here."""
-    registry = getattr(impl, "data_ptr_to_work", None)
-    return registry if isinstance(registry, dict) and hasattr(impl, "_register_tensor_work") else None
+def _has_legacy_registry(impl: ModuleType) -> bool:
+    """Whether torch's Python functional collectives pair results with their Work by ``data_ptr()``
+    (torch 2.1-2.3; 2.4 keeps only the native, storage-keyed registry)."""
+    return isinstance(getattr(impl, "data_ptr_to_work", None), dict) and hasattr(impl, "_register_tensor_work")
 
 
 def _offset_view_waits(funcol: ModuleType, impl: ModuleType) -> Optional[bool]:
@@ -126,7 +126,7 @@ def register_offset_views(patcher: Patcher, funcol: ModuleType) -> bool:
 
     impl = sys.modules.get("torch.distributed._functional_collectives_impl")
     act = getattr(funcol, "AsyncCollectiveTensor", None)
-    if impl is None or act is None or _legacy_registry(impl) is None or not hasattr(funcol, "_is_view_op"):
+    if impl is None or act is None or not _has_legacy_registry(impl) or not hasattr(funcol, "_is_view_op"):
         return False  # torchpatch's own module (1.13) or native-only functional collectives (2.4+)
     if _offset_view_waits(funcol, impl) is not False:
         return False  # native funcol in use (2.3 default, 2.2 opted in), or views already wait
