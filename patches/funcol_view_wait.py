@@ -17,9 +17,10 @@ Torch:         torch 2.1 made ``AsyncCollectiveTensor`` pass view ops through wi
                by the storage: views share it) fix it; they are opt-in in 2.2 (``_USE_NATIVE_C10D_FUNCTIONAL``),
                the default in 2.3 (the legacy path, bug included, comes back with
                ``TORCH_DISABLE_NATIVE_FUNCOL=1``), the only path from 2.4 (the legacy registry is gone).
-               Reproduced on 2.1.2 (rank 0 wrong in every step of the test); right on 2.4.1, 2.9.0, 2.13.0,
-               2.15.0; 2.2/2.3 from the upstream sources (no such venv here), hence ``>=2.1,<2.4``, and
-               the hook's behaviour check decides.
+               Reproduced on 2.1.2 (rank 0 wrong in 20 of 20 steps when its peer joins late); right on
+               2.4.1, 2.9.0, 2.13.0, 2.14.1, 2.15.0; 2.2/2.3 from the upstream sources (no such venv
+               here), hence ``>=2.1,<2.4``, and the hook's behaviour check (a stand-in Work: does
+               ``wait_tensor`` go through the legacy registry, does using ``result[1]`` wait) decides.
 Fix:           a view op on an ``AsyncCollectiveTensor`` (no wait, as torch does) registers each wrapped
                result's own ``data_ptr()`` with the collective its argument belongs to, as the registry
                already does for a view at the buffer's start: the first non-view use, ``trigger_wait()``,
