@@ -12,7 +12,7 @@ and 2.15 raise natively; the patch is not applied there.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
 
 RANKS = """
 import datetime, json, os, torch, torch.distributed as dist
@@ -81,3 +81,36 @@ def test_size_mismatch_raises(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
         assert out.pop("status") == ("applied" if torch_matches("<2.6") else None)
         assert out == {"same": "saved values", "larger": "size mismatch", "smaller": "size mismatch"}, out
+
+
+ONE_PROCESS = """
+import json, sys, tempfile, torch
+import torch.distributed.checkpoint as dcp
+path = tempfile.mkdtemp()
+saved = torch.arange(4.0)
+dcp.save_state_dict({"w": saved}, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
+out = {}
+for n in (4, 6, 2):
+    sd = {"w": torch.full((n,), -1.0)}
+    try:
+        dcp.load_state_dict(sd, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    except BaseException as exc:
+        out[n] = "size mismatch" if "Size mismatch between saved" in str(exc) else str(exc)[-300:]
+        continue
+    expected = torch.full((n,), -1.0)
+    expected[:min(n, 4)] = saved[:min(n, 4)]
+    out[n] = "saved values" if torch.equal(sd["w"], saved) else "half loaded" if torch.equal(sd["w"], expected) else "other"
+import torchpatch
+out["status"] = torchpatch.status().get("dcp-load-size-mismatch")
+print(json.dumps(out))
+"""
+
+
+@only_torch(">=2.0,<2.6", "no size check; the no_dist load_state_dict path (torch 2.1 has no DTensor dcp.load without torchpatch)")
+@pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DCP_LOAD_SIZE_MISMATCH": "0"}, {"TORCHPATCH": "1"}],
+                         ids=["unset", "opted-out", "torchpatch"])
+def test_one_process_load_state_dict(env):
+    patched = env == {"TORCHPATCH": "1"}
+    out = run_json(ONE_PROCESS, env=clean_env(**env))
+    wrong = "size mismatch" if patched else "half loaded"
+    assert out == {"4": "saved values", "6": wrong, "2": wrong, "status": "applied" if patched else None}, out
