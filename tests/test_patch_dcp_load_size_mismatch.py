@@ -7,7 +7,8 @@ saved values where the shapes overlap and keep their own values elsewhere (check
 element against the saved values and the template, computed in the same run). With TORCHPATCH=1 each
 such load raises torch >= 2.6's ``ValueError: Size mismatch between saved ... and current ...``, on
 every rank, while a load into templates of the saved sizes gives the saved values exactly. Torch 2.9
-and 2.15 raise natively; the patch is not applied there.
+and 2.15 raise natively; the patch is not applied there. The same holds on one process through
+``load_state_dict(..., no_dist=True)`` on torch 2.1-2.5.
 """
 
 import pytest
