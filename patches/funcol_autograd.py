@@ -1,0 +1,154 @@
+"""funcol-autograd: gradients through the functional collectives (``all_reduce``,
+``all_gather_tensor``, ``reduce_scatter_tensor``, ``all_to_all_single``), torch 2.4-2.12.
+
+What breaks:   a model that calls ``torch.distributed._functional_collectives.all_reduce(x, "sum",
+               group)`` (or reduce_scatter_tensor, all_to_all_single) on a tensor that requires grad
+               trains on wrong gradients: the ``_c10d_functional`` ops have no autograd formula, so
+               autograd's fallback passes the output gradient through unchanged (all_reduce: each
+               rank gets its own gradient instead of the sum over ranks; reduce_scatter: zeros for
+               the chunks the rank did not keep) or drops it (all_to_all_single: ``x.grad`` stays
+               None), with at most a UserWarning. Using the returned AsyncCollectiveTensor without
+               ``.wait()`` cuts the graph as well: the wrapper is a leaf, so nothing reaches ``x``.
+Torch:         2.4 (where ``torch.library.register_autograd`` arrived) to 2.12: no Autograd kernel
+               for ``_c10d_functional::all_reduce`` and the others (asked of the dispatcher on
+               2.4.1 and 2.9.0, reproduced there on gloo); torch 2.13 registers them (2.13.0,
+               2.14.1, 2.15.0: the patch stays off). 2.2-2.3 have the same gap but no
+               ``register_autograd`` (not patched).
+Fix:           where the dispatcher has no Autograd kernel for them, register the backward formulas
+               of torch 2.13 (written here): all_reduce("sum") backward is an all_reduce("sum") of
+               the gradient (other reductions raise in backward, as in 2.13),
+               all_gather_into_tensor's a reduce_scatter("sum"), reduce_scatter("sum")'s an
+               all_gather, all_to_all_single's an all_to_all with the split sizes swapped;
+               wait_tensor waits below autograd and returns its input, as the op does; and the AsyncCollectiveTensor of an output that requires
+               grad is made with torch's own ``_FromTorchTensor`` (identity backward), as torch's
+               ``*_autograd`` variants and 2.13's ``_wrap_tensor_autograd`` do. Kernels are
+               registered on a Library fragment that undo destroys.
+Upstream:      https://github.com/pytorch/pytorch/pull/168140 (fixes
+               https://github.com/pytorch/pytorch/issues/152131; the silent-gradient report:
+               https://github.com/pytorch/pytorch/issues/152127)
+"""
+
+from types import ModuleType
+from typing import Any, Dict, Tuple
+
+from torchpatch import Patch, Patcher
+
+PATCH = Patch(
+    id="funcol-autograd",
+    summary="functional collectives differentiable (all_reduce sum, all_gather, reduce_scatter sum, "
+            "all_to_all_single) as in torch 2.13, torch 2.4-2.12",
+    torch=">=2.4,<2.13",
+    upstream="https://github.com/pytorch/pytorch/pull/168140",
+    behaviour="gradients of _c10d_functional collectives",
+    category="correctness",
+)
+
+_NS = "_c10d_functional"
+
+
+def _ops() -> Any:
+    import torch
+
+    return torch.ops._c10d_functional
+
+
+def _waited(tensor: Any) -> Any:
+    return _ops().wait_tensor(tensor)
+
+
+# -- backward formulas (torch 2.13's semantics) -------------------------------------------------
+def _all_reduce_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    _, ctx.reduce_op, ctx.group_name = inputs
+
+
+def _all_reduce_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
+    if ctx.reduce_op.lower() != "sum":
+        raise RuntimeError(f"all_reduce backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    return _waited(_ops().all_reduce(grad.contiguous(), "sum", ctx.group_name)), None, None
+
+
+def _all_gather_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    _, ctx.group_size, ctx.group_name = inputs
+
+
+def _all_gather_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
+    summed = _ops().reduce_scatter_tensor(grad.contiguous(), "sum", ctx.group_size, ctx.group_name)
+    return _waited(summed), None, None
+
+
+def _reduce_scatter_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    _, ctx.reduce_op, ctx.group_size, ctx.group_name = inputs
+
+
+def _reduce_scatter_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
+    if ctx.reduce_op.lower() != "sum":
+        raise RuntimeError(f"reduce_scatter_tensor backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    gathered = _ops().all_gather_into_tensor(grad.contiguous(), ctx.group_size, ctx.group_name)
+    return _waited(gathered), None, None, None
+
+
+def _all_to_all_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+    _, ctx.output_split_sizes, ctx.input_split_sizes, ctx.group_name = inputs
+
+
+def _all_to_all_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
+    # the gradient travels back: what this rank received (output splits) it sends, and vice versa
+    back = _ops().all_to_all_single(grad.contiguous(), ctx.input_split_sizes, ctx.output_split_sizes, ctx.group_name)
+    return _waited(back), None, None, None
+
+
+def _wait_autograd(tensor: Any) -> Any:
+    """wait_tensor's Autograd kernel: wait below autograd and without grad, hand back the input
+    itself (the op returns its argument), so the gradient passes unchanged through the graph
+    already there. (On torch 2.4 the wait of a gloo all_gather copies the result into the output,
+    a view made without grad: with grad enabled autograd refuses that copy.)"""
+    import torch
+
+    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+        _ops().wait_tensor(tensor)
+    return tensor
+
+
+_FORMULAS = {
+    "all_reduce": (_all_reduce_backward, _all_reduce_setup),
+    "all_gather_into_tensor": (_all_gather_backward, _all_gather_setup),
+    "reduce_scatter_tensor": (_reduce_scatter_backward, _reduce_scatter_setup),
+    "all_to_all_single": (_all_to_all_backward, _all_to_all_setup),
+}
+
+
+def _connected_wrap(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``_maybe_wrap_tensor(output)``: an output that requires grad gets its AsyncCollectiveTensor
+    through ``_FromTorchTensor`` (identity backward), so the wrapper stays in the graph."""
+    import torch
+    import torch.distributed._functional_collectives as funcol
+
+    tensor = args[0] if args else next(iter(kwargs.values()))
+    if (isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
+            and not funcol._are_we_tracing()):
+        return funcol._FromTorchTensor.apply(tensor)  # its forward calls _maybe_wrap_tensor under no_grad
+    return wrapped(*args, **kwargs)
+
+
+@PATCH.on_import("torch.distributed._functional_collectives")
+def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
+    import torch
+
+    register = getattr(torch.library, "register_autograd", None)
+    if register is None or not hasattr(funcol, "_FromTorchTensor") or not hasattr(funcol, "_maybe_wrap_tensor"):
+        return False  # torch < 2.4, or a module laid out unlike 2.4-2.12's
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    missing = [name for name in [*_FORMULAS, "wait_tensor"]
+               if hasattr(_ops(), name) and not has_kernel(f"{_NS}::{name}", "Autograd")]
+    if "all_reduce" not in missing:
+        return False  # torch registers the formulas itself (2.13+)
+    lib = torch.library.Library(_NS, "FRAGMENT")
+    patcher.on_undo(lib._destroy)
+    for name in missing:
+        if name == "wait_tensor":
+            lib.impl(name, _wait_autograd, "Autograd")
+        else:
+            backward, setup = _FORMULAS[name]
+            register(f"{_NS}::{name}", backward, setup_context=setup, lib=lib)
+    patcher.wrap(funcol, "_maybe_wrap_tensor", _connected_wrap)
+    return True
