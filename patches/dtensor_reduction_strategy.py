@@ -1,4 +1,4 @@
-"""dtensor-reduction-strategy: DTensor reductions that silently return wrong values, torch 2.2-2.12.
+"""dtensor-reduction-strategy: DTensor reductions that silently return wrong values, torch 2.2-2.13.
 
 What breaks:   DTensor's reduction sharding strategy reduces each rank's local piece and leaves a
                pending ``Partial`` reduction, also where that is not the right answer. No error,
@@ -15,11 +15,14 @@ What breaks:   DTensor's reduction sharding strategy reduces each rank's local p
                - ``max(dim)`` / ``min(dim)`` over the sharded dimension returns each rank's local
                  index, reduced with ``max``: the indices are wrong (the values are right).
 Torch:         the reduction strategy (``common_reduction_strategy``) came with torch 2.2-2.3;
-               torch 2.4.1 and 2.9.0 have all four bugs (``mean`` on gloo on 2.4 only once
-               ``gloo-avg`` lets ``Partial("avg")`` run); torch 2.13.0, 2.14.1 and 2.15.0 have
-               none of them. Fixed upstream in pieces between 2.10 and 2.12, so each piece is
-               checked on its own: the ``Partial`` check by the upstream condition in
-               ``common_reduction_strategy``'s source, the uneven mean by the
+               torch 2.4.1 and 2.9.0 have all of these bugs (``mean`` on gloo on 2.4 only once
+               ``gloo-avg`` lets ``Partial("avg")`` run); torch 2.13.0 still sums a
+               ``_NormPartial`` (and only that); torch 2.14.1 and 2.15.0 have none of them. Fixed
+               upstream in pieces between 2.10 and 2.14, so each piece is checked on its own: the
+               ``Partial`` check by the upstream condition (``reduce_op != reduction_op``) in
+               ``common_reduction_strategy``'s source, the ``_NormPartial`` one by that source
+               naming ``_NormPartial`` or ``sum`` no longer using ``linear_reduction_strategy``
+               (2.14's single-dim strategies), the uneven mean by the
                ``is_tensor_evenly_shardable_on_dim`` helper the fix imports, ``all`` by the
                reduce op torch maps it to (``"product"`` once fixed), ``max.dim`` / ``min.dim``
                by whether they still use the linear reduction strategy.
@@ -49,8 +52,8 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="dtensor-reduction-strategy",
     summary="DTensor norm/amax of Partial, mean over uneven shards, all() and max(dim) indices "
-    "over sharded dims give the global result, torch 2.2-2.12",
-    torch=">=2.2,<2.13",
+    "over sharded dims give the global result, torch 2.2-2.13",
+    torch=">=2.2,<2.14",
     upstream="https://github.com/pytorch/pytorch/pull/165962",
     behaviour="DTensor reductions over Partial / unevenly sharded / sharded dims",
     category="correctness",
@@ -78,16 +81,16 @@ def _op_name(reduce_op: Any) -> str:
     return {"PRODUCT": "product", "AVG": "avg"}.get(str(name), str(name).lower())
 
 
-def _partial_mismatch(placements: Sequence[Any], reduction_op: Any) -> bool:
+def _partial_mismatch(placements: Sequence[Any], reduction_op: Any, fix_partial: bool, fix_norm: bool) -> bool:
     """Whether a pending ``Partial`` cannot be carried through this reduction."""
     for p in placements:
         if not p.is_partial():
             continue
         pending = _op_name(p.reduce_op)
         if hasattr(p, "norm_type"):  # _NormPartial: only its max/min (inf norms) commute
-            if not (pending in ("max", "min") and pending == reduction_op):
+            if fix_norm and not (pending in ("max", "min") and pending == reduction_op):
                 return True
-        elif not isinstance(reduction_op, str) or pending != reduction_op:
+        elif fix_partial and (not isinstance(reduction_op, str) or pending != reduction_op):
             return True
     return False
 
@@ -109,7 +112,7 @@ def _uneven(spec: Any, reduce_dims: Sequence[int]) -> bool:
     return False
 
 
-def _wrap_common_reduction(patcher: Patcher, math_ops: ModuleType, fix_partial: bool, fix_avg: bool) -> None:
+def _wrap_common_reduction(patcher: Patcher, math_ops: ModuleType, fix_partial: bool, fix_norm: bool, fix_avg: bool) -> None:
     signature = inspect.signature(math_ops.common_reduction_strategy)
 
     def common_reduction_strategy(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -122,7 +125,7 @@ def _wrap_common_reduction(patcher: Patcher, math_ops: ModuleType, fix_partial: 
         replace: List[bool] = []
         for op_spec in a["input_strategy"].strategies:
             spec = op_spec.output_spec
-            replace.append((fix_partial and _partial_mismatch(spec.placements, op))
+            replace.append(_partial_mismatch(spec.placements, op, fix_partial, fix_norm)
                            or (fix_avg and op == "avg" and _uneven(spec, dims)))
         if not any(replace):
             return wrapped(*args, **kwargs)
@@ -173,11 +176,14 @@ def fix_reductions(patcher: Patcher, math_ops: ModuleType) -> bool:
     propagator = _propagator()
     funcs = propagator.op_strategy_funcs
     linear = getattr(math_ops, "linear_reduction_strategy", None)
+    # sum of a _NormPartial: wrong while sum goes through common_reduction_strategy (2.14 moved the
+    # linear reductions to single-dim strategies that never carry a _NormPartial through)
+    fix_norm = linear is not None and funcs.get(aten.sum.default) is linear and "_NormPartial" not in source
     fix_max_dim = [op for op in (aten.max.dim, aten.min.dim) if linear is not None and funcs.get(op) is linear]
-    if not (fix_partial or fix_avg or fix_all or fix_max_dim):
+    if not (fix_partial or fix_norm or fix_avg or fix_all or fix_max_dim):
         return False
-    if fix_partial or fix_avg:
-        _wrap_common_reduction(patcher, math_ops, fix_partial, fix_avg)
+    if fix_partial or fix_norm or fix_avg:
+        _wrap_common_reduction(patcher, math_ops, fix_partial, fix_norm, fix_avg)
     if fix_all:
         for op in (aten.all.default, aten.all.dim):
             if op_map.get(op) == "sum":
