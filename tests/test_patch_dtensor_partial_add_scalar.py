@@ -107,7 +107,10 @@ def test_number_added_on_every_rank(tmp_path, env):
     # torch 2.4 carries the Partial through the foreach add too; 2.9 reduces it first (right), and its
     # in-place form writes into the reduced copy (the DTensor keeps its old value: wrong, differently)
     assert out["foreach_add_number"].startswith("wrong" if torch_matches("<2.5") else "ok"), out
-    assert out["foreach_add_inplace"].startswith("wrong"), out
+    # with TORCHPATCH=1 on 2.9, dtensor-inplace-placement-change refuses the foreach in-place add that
+    # reduces its own input; 2.4's keeps the Partial (no redistribution) and adds on every rank
+    refused = env and torch_matches(">=2.5")
+    assert out["foreach_add_inplace"].startswith("error: in-place" if refused else "wrong"), out
     for name in ALREADY_RIGHT:
         assert out[name] == "ok", (name, out)
 
