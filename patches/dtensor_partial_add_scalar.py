@@ -66,6 +66,7 @@ def _partial_placements(strategy: Any) -> Any:
 
 def _wrapper(signature: inspect.Signature, ops: Tuple[Any, ...], needs_number: bool) -> Callable[..., Any]:
     inplace = tuple(op for op in ops if op._schema.name.endswith("_"))
+
     def strategy(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         bound = signature.bind(*args, **kwargs)
         a = bound.arguments
