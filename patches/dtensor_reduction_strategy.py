@@ -39,6 +39,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/159856 (norm of Partial),
                https://github.com/pytorch/pytorch/pull/165962 (reductions of Partial),
                https://github.com/pytorch/pytorch/pull/172288 (sum of _NormPartial),
                https://github.com/pytorch/pytorch/pull/163241 (mean with uneven sharding),
+               https://github.com/pytorch/pytorch/issues/165923 (all() reduced with sum),
                https://github.com/pytorch/pytorch/pull/175776 (max.dim/min.dim indices,
                issue https://github.com/pytorch/pytorch/issues/168940)
 """
