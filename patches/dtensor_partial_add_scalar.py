@@ -1,4 +1,4 @@
-"""dtensor-partial-add-scalar: ``partial_dtensor + 10`` adds 10 once, not once per rank, torch 2.2-2.12.
+"""dtensor-partial-add-scalar: ``partial_dtensor + 10`` adds 10 once, not once per rank, torch 2.1-2.12.
 
 What breaks:   adding a Python number to a DTensor with a pending ``Partial("sum")`` (a loss
                summed over shards, ``dt.sum()`` of a sharded tensor, a norm computed on shards)
@@ -8,8 +8,8 @@ What breaks:   adding a Python number to a DTensor with a pending ``Partial("sum
                1e-6)`` on a partial norm, so the clip coefficient is (slightly) wrong too. Adding a
                tensor instead of a number is right (the tensor is replicated, then split).
                On 2.4 the foreach form (``torch._foreach_add(partials, 10)``) has the same bug.
-Torch:         add is a "linear" op in DTensor's pointwise strategy since 2.2, and its Partial
-               propagates whatever the other operand is; torch 2.4.1 and 2.9.0 give the wrong
+Torch:         add is a "linear" op in DTensor's pointwise rule (2.1) and strategy (2.2 on), and its
+               Partial propagates whatever the other operand is; torch 2.1.2, 2.4.1 and 2.9.0 give the wrong
                sum, torch 2.13.0, 2.14.1 and 2.15.0 the right one (the fix, merged in December
                2025, is in 2.10 or 2.11). A torch whose pointwise strategies already test for a
                number operand (``_Number``) or whose strategies no longer have the old
@@ -34,8 +34,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="dtensor-partial-add-scalar",
-    summary="DTensor Partial + Python number adds the number once (reduces the Partial first), torch 2.2-2.12",
-    torch=">=2.2,<2.13",
+    summary="DTensor Partial + Python number adds the number once (reduces the Partial first), torch 2.1-2.12",
+    torch=">=2.1,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/170030",
     behaviour="partial_dtensor + number",
     category="correctness",
@@ -64,6 +64,19 @@ def _partial_placements(strategy: Any) -> Any:
     return None
 
 
+def _op_of(op_schema: Any, ops: Tuple[Any, ...]) -> Any:
+    """The op of ``ops`` this schema is for, or None (torch 2.1's OpSchema names it by its
+    ``func_schema`` only)."""
+    op = getattr(op_schema, "op", None)
+    if op is not None:
+        return op if op in ops else None
+    func = op_schema.func_schema
+    for candidate in ops:
+        if (candidate._schema.name, candidate._schema.overload_name) == (func.name, func.overload_name):
+            return candidate
+    return None
+
+
 def _wrapper(signature: inspect.Signature, ops: Tuple[Any, ...], needs_number: bool) -> Callable[..., Any]:
     inplace = tuple(op for op in ops if op._schema.name.endswith("_"))
 
@@ -72,15 +85,16 @@ def _wrapper(signature: inspect.Signature, ops: Tuple[Any, ...], needs_number: b
         a = bound.arguments
         linearity = a.get("linearity", False)
         op_schema = a["op_schema"]
-        if op_schema.op not in ops or linearity in (False, -1):
+        op = _op_of(op_schema, ops)
+        if op is None or linearity in (False, -1):
             return wrapped(*args, **kwargs)
         if needs_number and not any(_is_number(x) for x in op_schema.args_schema[1:]):
             return wrapped(*args, **kwargs)
-        if op_schema.op in inplace:
+        if op in inplace:
             placements = _partial_placements(op_schema.args_schema[0])
             if placements is not None:
                 raise RuntimeError(
-                    f"{op_schema.op}: in-place operations that require placement changes are not supported. "
+                    f"{op}: in-place operations that require placement changes are not supported. "
                     f"The input has placement {placements}; adding a number to a Partial needs it reduced first "
                     "(torchpatch dtensor-partial-add-scalar: torch >= 2.13 refuses it too). Use the out-of-place "
                     "op, or redistribute the input to Replicate() before adding.")
@@ -117,4 +131,22 @@ def reduce_before_adding_numbers(patcher: Patcher, pointwise: ModuleType) -> boo
         patcher.wrap(pointwise, "list_pointwise_strategy",
                      _wrapper(inspect.signature(list_strategy), foreach, needs_number=False))
     patcher.setattr(pointwise, "_torchpatch_partial_add_scalar", True)
+    return True
+
+
+@PATCH.on_import("torch.distributed._tensor.ops.common_rules")
+def reduce_before_adding_numbers_by_rule(patcher: Patcher, rules: ModuleType) -> bool:
+    """torch 2.1: pointwise sharding is a rule (``linear_pointwise_rule`` calls ``pointwise_rule``
+    with ``linearity=True``), not yet a strategy; the same fix applies to it."""
+    if not (hasattr(rules, "linear_pointwise_rule") and hasattr(rules, "pointwise_rule")):
+        return False
+    if getattr(rules, "_torchpatch_partial_add_scalar", False):
+        return False
+    import torch
+
+    signature = inspect.signature(rules.pointwise_rule)
+    if "linearity" not in signature.parameters:
+        return False
+    patcher.wrap(rules, "pointwise_rule", _wrapper(signature, (torch.ops.aten.add.Tensor,), needs_number=True))
+    patcher.setattr(rules, "_torchpatch_partial_add_scalar", True)
     return True

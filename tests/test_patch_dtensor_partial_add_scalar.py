@@ -135,3 +135,43 @@ def test_right_natively_on_fixed_torch(tmp_path):
     expected = dict.fromkeys(NUMBER_ADDS + ALREADY_RIGHT + ("foreach_add_number", "clip_grads"), "ok")
     expected.update(add_inplace="error: in-place placement change", foreach_add_inplace="error: in-place placement change")
     assert out == expected, out
+
+
+SCRIPT_21 = """
+import json, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+from torch.distributed._tensor import DTensor, DeviceMesh
+from torch.distributed._tensor.placement_types import _Partial  # torch 2.1's partial placement
+mesh = DeviceMesh("cpu", list(range(world)))
+
+def summand(r):
+    return torch.tensor([[1.0, -3.0, 2.0], [5.0, 0.0, -4.0]], dtype=torch.float64) * (r + 1) - 2 * r
+
+total = sum(summand(r) for r in range(world))
+out = {}
+for name, number in (("add_number", 10), ("add_float", 2.5)):
+    got = (DTensor.from_local(summand(rank), mesh, [_Partial()]) + number).redistribute(mesh, [__import__(
+        "torch.distributed._tensor", fromlist=["Replicate"]).Replicate()]).to_local().clone()
+    out[name] = "ok" if torch.equal(got, total + number) else f"wrong: {got.tolist()} != {(total + number).tolist()}"
+got = (DTensor.from_local(summand(rank), mesh, [_Partial()]) + DTensor.from_local(summand(rank), mesh, [_Partial()]))
+out["add_partials_placement"] = str(list(got.placements))
+import torchpatch
+out["status"] = torchpatch.status().get("dtensor-partial-add-scalar")
+if rank == 0:
+    print(RESULT + json.dumps(out), flush=True)
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+
+
+@only_torch(">=2.1,<2.2", "torch 2.1's pointwise sharding rule, before the strategies")
+@pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DTENSOR_PARTIAL_ADD_SCALAR": "0"}, {"TORCHPATCH": "1"}],
+                         ids=["unset", "opted-out", "patched"])
+def test_torch21_rule(tmp_path, env):
+    proc = run_ranks(SCRIPT_21, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = rank_result(proc)
+    patched = env.get("TORCHPATCH_DTENSOR_PARTIAL_ADD_SCALAR") != "0" and bool(env)
+    assert out.pop("status") == ("applied" if patched else None)
+    assert out.pop("add_partials_placement").startswith("[_Partial"), out  # adding partials stays partial
+    for name in ("add_number", "add_float"):
+        assert out[name].startswith("ok" if patched else "wrong"), (name, out)
