@@ -82,7 +82,11 @@ def scale_after_weight_backward(patcher: Patcher, schedules: Any) -> bool:
         return False
     if "scale_grads" not in inspect.signature(runtime.__init__).parameters:
         return False  # no scale_grads (torch < 2.7): the gradients are the sum by design
-    if _weight_branch_scales(inspect.getsource(runtime._step_microbatches)):
+    try:
+        source = inspect.getsource(runtime._step_microbatches)
+    except (OSError, TypeError):  # no source to read: leave torch alone
+        return False
+    if _weight_branch_scales(source):
         return False  # torch already scales after the last W
     from torch.distributed.pipelining.stage import _PipelineStageBase
 

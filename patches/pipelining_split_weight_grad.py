@@ -100,9 +100,8 @@ def stage_backward_weight(weights: Iterable[Any], param_groups: List[Dict[str, A
     return tuple(before)
 
 
-def _needs_fix(original: Any) -> bool:
-    """Whether the installed ``stage_backward_weight`` is the one without either fix."""
-    source = inspect.getsource(original)
+def _needs_fix(source: str) -> bool:
+    """Whether the installed ``stage_backward_weight`` (its source) lacks one of the two fixes."""
     return "GradientEdge(intermediate, 0)" in source or "register_prehook" not in source
 
 
@@ -111,7 +110,11 @@ def route_weight_gradients(patcher: Patcher, stage: Any) -> bool:
     import torch.distributed.pipelining._backward as backward
 
     original = getattr(backward, "stage_backward_weight", None)
-    if original is None or '"intermediates"' not in inspect.getsource(original) or not _needs_fix(original):
+    try:
+        source = inspect.getsource(original) if original is not None else ""
+    except (OSError, TypeError):  # no source to read (a frozen or compiled torch): leave torch alone
+        return False
+    if '"intermediates"' not in source or not _needs_fix(source):
         return False  # no split backward here, or torch already routes the gradients right
     patcher.setattr(backward, "stage_backward_weight", stage_backward_weight)
     if getattr(stage, "stage_backward_weight", None) is original:
