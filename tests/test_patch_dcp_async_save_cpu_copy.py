@@ -12,7 +12,7 @@ the default writer (``FileSystemWriter``, an ``AsyncStager``) and a writer that 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 RANKS = """
 import datetime, json, os, threading, torch, torch.distributed as dist
@@ -77,9 +77,7 @@ KEYS = ("w", "p", "exp_avg", "step", "d")
 
 
 def run(tmp_path, **env) -> list:
-    proc = run_ranks(RANKS, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 @only_torch(">=2.3,<2.7", "async_save stages CPU tensors without copying them")

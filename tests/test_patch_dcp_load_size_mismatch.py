@@ -13,7 +13,7 @@ and 2.15 raise natively; the patch is not applied there. The same holds on one p
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
 
 RANKS = """
 import datetime, json, os, torch, torch.distributed as dist
@@ -65,9 +65,7 @@ if rank == 0:
 
 
 def run(tmp_path, **env) -> list:
-    proc = run_ranks(RANKS, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 @only_torch(">=2.4,<2.6", "the default load planner does not compare sizes (DTensor from torch 2.4 on the test's path)")

@@ -10,7 +10,7 @@ On torch 2.13 and later torch raises by itself and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 SCRIPT = """
 import json, torch, torch.distributed as dist
@@ -61,9 +61,7 @@ KEEPING = ("add_partial_", "zero_") + (() if torch_matches("<2.5") else ("mul_re
 
 
 def _run(tmp_path, **env) -> dict:
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
 
 
 @only_torch(">=2.4,<2.13", "torch 2.4.1 and 2.9.0 drop the write")

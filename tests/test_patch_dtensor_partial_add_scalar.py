@@ -11,7 +11,7 @@ patch, not without. On torch 2.13 and later the patch is not applied and torch i
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, ranks_result, run_ranks, torch_matches
 
 SCRIPT = """
 import json, torch, torch.distributed as dist
@@ -89,9 +89,7 @@ ALREADY_RIGHT = ("add_partials", "mul_number", "clip_total_norm")
 
 
 def _run(tmp_path, **env) -> dict:
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
 
 
 @only_torch(">=2.4,<2.10", "torch 2.4.1 and 2.9.0 add the number on every rank")

@@ -10,7 +10,7 @@ and later torch is right by itself and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 SCRIPT = """
 import json, torch, torch.distributed as dist
@@ -83,9 +83,7 @@ ALREADY_RIGHT = ("sum_of_partial", "mean_even", "norm_sharded", "max_dim_values"
 
 
 def _run(tmp_path, **env) -> dict:
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
 
 
 @only_torch(">=2.4,<2.14", "torch 2.4.1 and 2.9.0 have every one of these bugs, 2.13.0 the sum of a _NormPartial")

@@ -9,7 +9,7 @@ later the dispatcher already does, and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 SCRIPT = """
 import json, torch, torch.distributed as dist
@@ -52,9 +52,7 @@ if rank == 0:
 
 
 def _run(tmp_path, **env) -> dict:
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
 
 
 @only_torch(">=2.4,<2.9", "torch 2.4.1 reuses the first call's numbers")

@@ -13,7 +13,7 @@ applied there.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
@@ -92,9 +92,7 @@ if rank == 0:
 
 
 def run(tmp_path, **env) -> list:
-    proc = run_ranks(RANKS, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 def supported(out: dict) -> dict:

@@ -12,7 +12,7 @@ torch 2.9 and 2.15 the same code runs on torch's own names and the patch is not 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
 
 PUBLIC = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
           "register_fsdp_forward_method", "UnshardHandle"]
@@ -112,9 +112,7 @@ if rank == 0:
 
 @only_torch(">=2.4", "FSDP2 came with torch 2.4")
 def test_public_api_on_two_ranks(tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out["is_fsdp_module"] == [True, True, False]
         assert out["cpu_offload_policy"] is True and out["unshard_handle"] is True
         # the root's unshard() gathers its own group (model.out's parameters), not model.inp's

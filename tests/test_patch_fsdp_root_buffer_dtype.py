@@ -12,7 +12,7 @@ matches either way. Torch 2.9 and 2.15 match natively; the patch is not applied 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
@@ -69,9 +69,7 @@ RIGHT = {"out_dtype": ["torch.bfloat16"], "outputs": True, "buffer_dtype": "torc
 
 
 def run(tmp_path, **env) -> list:
-    proc = run_ranks(RANKS, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 @only_torch(">=2.4,<2.6", "a root without a handle forces full-precision buffers (FSDP1 runs on CPU from torch 2.4 here)")

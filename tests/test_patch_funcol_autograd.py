@@ -15,7 +15,7 @@ requires grad raises with or without the patch.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 SCRIPT = """
 import datetime, json, torch, torch.distributed as dist
@@ -104,9 +104,7 @@ RIGHT = {"all_reduce_value": True, "all_reduce": True, "all_reduce_no_wait": Tru
 @only_torch(">=2.4,<2.13", "no autograd formulas for _c10d_functional ops")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FUNCOL_AUTOGRAD": "0"}], ids=["unset", "opted-out"])
 def test_native_gradients_are_wrong(env, tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180):
         assert out["status"] is None
         # the forward values are right; every gradient is wrong or missing
         assert [out[k] for k in ("all_reduce_value", "reduce_scatter_value", "all_to_all_value")] == [True] * 3, out
@@ -115,9 +113,7 @@ def test_native_gradients_are_wrong(env, tmp_path):
 
 @only_torch(">=2.4", "torch.library.register_autograd arrived in 2.4")
 def test_gradients(tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
         assert out.pop("no_grad_type") == "AsyncCollectiveTensor"
         max_backward = out.pop("max_backward")

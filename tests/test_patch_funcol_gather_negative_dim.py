@@ -10,7 +10,7 @@ themselves and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 SCRIPT = """
 import datetime, json, torch, torch.distributed as dist
@@ -44,9 +44,7 @@ if rank == 0:
 @only_torch(">=2.13,<2.15", "the view path of _maybe_view_chunk_cat mishandles negative dims")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FUNCOL_GATHER_NEGATIVE_DIM": "0"}], ids=["unset", "opted-out"])
 def test_native_gather_is_wrong(env, tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180):
         assert out.pop("status") is None
         assert out["(1, 2, 3, 4)/-2"] is False, out  # silently wrong values
         assert str(out["(1, 2, 3, 4)/-1"]).startswith("error: shape"), out
@@ -56,9 +54,7 @@ def test_native_gather_is_wrong(env, tmp_path):
 
 @only_torch(">=2.2", "all_gather_tensor on gloo with any gather_dim")
 def test_gather_along_negative_dims(tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out.pop("status") == ("applied" if torch_matches(">=2.13,<2.15") else None)
         assert all(v is True for v in out.values()), out
         assert len(out) == 2 * (4 + 3 + 4 + 2)  # every dim of every shape, negative and positive

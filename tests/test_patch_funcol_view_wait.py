@@ -14,7 +14,7 @@ is right, natively too; on 1.13 torchpatch's own synchronous functional collecti
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
 
 ID = "funcol-view-wait"
 STEPS = 2
@@ -91,9 +91,7 @@ RIGHT = {name: [[True, 0.0]] * STEPS for name in ("opendit", "remote_chunk", "re
 
 
 def _run(tmp_path, **env):
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 @only_torch(">=2.1,<2.2", "the legacy (data_ptr-keyed) functional collectives; 2.2/2.3 have no venv here")

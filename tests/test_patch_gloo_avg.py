@@ -11,7 +11,7 @@ own results and the patch is not armed.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
 
 NATIVE = """
 import json, torch, torch.distributed as dist
@@ -79,9 +79,7 @@ if rank == 0:
 
 @only_torch(">=2.2", "torch 1.13 and 2.1 reduce 'avg' through functional-collectives")
 def test_average_equals_sum_over_size(tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    for out in rank_result(proc):
+    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         status = out.pop("status")
         assert status == ("applied" if torch_matches("<2.7") else None)
         assert out == dict({f"{g}/{d}": [True, True, True] for g in ("default", "ranks", "mesh", "mesh_dim", "new_group", "alone")

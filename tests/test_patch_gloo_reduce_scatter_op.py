@@ -14,7 +14,7 @@ the two kinds of torch apart by behaviour; it is asked only by a non-SUM reduce-
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
 
 PATCH_ID = "gloo-reduce-scatter-op"
 
@@ -94,9 +94,7 @@ RIGHT_ANYWAY = ("/sum", "/replicate")
 
 
 def _run(tmp_path, env):
-    proc = run_ranks(SCRIPT, env=env, tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=env, timeout=240)
 
 
 @only_torch(">=2.3,<2.7", "torch 2.3-2.6's gloo reduce-scatter drops its op (2.4 in the matrix)")

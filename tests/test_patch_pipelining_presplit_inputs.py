@@ -12,7 +12,7 @@ patch stays out of the way."""
 
 import json
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_ranks
 
 SCRIPT = """
 import copy, datetime, json, os, torch, torch.distributed as dist, torch.nn as nn
@@ -119,9 +119,7 @@ MIXED = [
 
 def run_script(tmp_path, torchpatch: bool):
     script = SCRIPT.replace("PG_TIMEOUT", "60").replace("NATIVE", "False").replace("OUT_DIR", "None")
-    proc = run_ranks(script, env=clean_env(TORCHPATCH="1") if torchpatch else clean_env(), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(script, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1") if torchpatch else clean_env(), timeout=180)
 
 
 @only_torch(">=2.4,<2.14")

@@ -13,7 +13,7 @@ from typing import Dict
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, PIPELINING_GLOO_WARMUP, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
 ID = "pipelining-runtime-dw-scale"
 
@@ -21,20 +21,7 @@ SCRIPT = """
 import json, torch, torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV
-from torch.distributed.pipelining.stage import _PipelineStageBase
-
-if "_get_init_p2p_neighbors_ops" in vars(_PipelineStageBase):
-    _init_ops = _PipelineStageBase._get_init_p2p_neighbors_ops
-
-    def _gloo_init_ops(self):
-        # torch 2.9's warm-up sends an int64 into a float32 buffer and posts sends to its own rank
-        # (V placement): gloo aborts. Unrelated to the gradients; fixed in later torch.
-        ops = [op for op in _init_ops(self) if op.group_peer != self.group_rank]
-        for op in ops:
-            op.tensor = op.tensor.float()
-        return ops
-
-    _PipelineStageBase._get_init_p2p_neighbors_ops = _gloo_init_ops
+GLOO_WARMUP
 
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
@@ -80,13 +67,11 @@ if rank == 0:
         merged.update(o)
     merged["status"] = [o["status"] for o in gathered]
     print(RESULT + json.dumps(merged), flush=True)
-""".replace("RESULT", repr(RESULT)).replace("ID", repr(ID)) + LEAVE_WITHOUT_TEARDOWN
+""".replace("GLOO_WARMUP", PIPELINING_GLOO_WARMUP).replace("RESULT", repr(RESULT)).replace("ID", repr(ID)) + LEAVE_WITHOUT_TEARDOWN
 
 
 def _run(tmp_path, **env: str) -> Dict[str, object]:
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
 
 
 def _expected(scaled_last_w: str) -> Dict[str, str]:

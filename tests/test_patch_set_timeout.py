@@ -6,7 +6,7 @@ before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and
 fails with gloo's timeout after about 2 s, not 60: as torch >= 2.14's own ``set_timeout`` does (the
 reference, where the patch stays out of the way)."""
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_ranks
+from conftest import RESULT, clean_env, only_torch, ranks_result
 
 SCRIPT = """
 import datetime, json, os, time, torch, torch.distributed as dist
@@ -45,9 +45,7 @@ os._exit(0)  # the pairs timed out: leave without the process group's teardown
 
 
 def run(tmp_path, **env):
-    proc = run_ranks(SCRIPT, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return rank_result(proc)
+    return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
 @only_torch(">=2.4,<2.14")
