@@ -116,7 +116,8 @@ with the calls of those classes checked against their __init__ (`DeviceMesh.get_
 
 Against the installed torch (default), what exists comes from its inventory in the catalogue when
 there is one, and otherwise from a helper interpreter that imports torch once, with torchpatch off
-(--no-import: never; those names stay unknown). --torch VERSION checks against an inventoried torch
+(--no-import: never; those names stay unknown); the helper reads a module's source instead of
+importing it where the source says plainly (a submodule file, a top-level def, class or assignment). --torch VERSION checks against an inventoried torch
 that need not be installed: X.Y.Z exactly, X.Y the newest inventoried X.Y.*. Patches count as on or
 off the way the TORCHPATCH_* variables of this shell say, whether TORCHPATCH itself is set or not.
 
