@@ -58,7 +58,7 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly():
     (128 + SIGPIPE) as for the standard tools. The read end is closed before anything is written, so
     every write fails, whatever the size of the pipe's buffer."""
     fixture = str(REPO / "tests" / "fixtures" / "check" / "clean")
-    for args in (["list"], ["list", "--json"], ["doctor"], ["check", fixture, "--torch", "2.1.2"]):
+    for args in (["list"], ["list", "--json"], ["doctor"], ["check", fixture, "--torch", "2.1.2"], ["--help"]):
         proc = subprocess.Popen([sys.executable, "-m", "torchpatch", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=clean_env(), text=True)
         proc.stdout.close()

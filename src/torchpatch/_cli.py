@@ -220,7 +220,10 @@ def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
     """``run()``, flushing stdout; where the reader went away (``torchpatch list | head``), exit
     quietly as the standard tools do (status 141, 128 + SIGPIPE), with no traceback."""
     try:
-        code = run()
+        try:
+            code = run()
+        except SystemExit as exc:  # argparse's --help, --version and usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
         sys.stdout.flush()
         return code
     except BrokenPipeError:
@@ -230,10 +233,14 @@ def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
         return 141
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _main(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return _quiet_on_broken_pipe(lambda: args.func(args))
+    return int(args.func(args))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return _quiet_on_broken_pipe(lambda: _main(argv))

@@ -169,7 +169,6 @@ def report() -> Dict[str, Any]:
     cfg = Config.from_environ()
     plans = plan(cfg=cfg)
     torch = _versions.torch_version()
-    on = parse_flag(os.environ.get("TORCHPATCH", "0"))
     deps = dependencies()
     missing = [DEPENDENCIES[name] for name, version in deps.items() if version is None]
     activation = _activation()
@@ -182,6 +181,7 @@ def report() -> Dict[str, Any]:
             f" --target, a PYTHONPATH copy); {NO_HOOK_FIX}")
     return {
         "torchpatch": __version__,
+        "location": os.path.dirname(os.path.realpath(__file__)),
         "python": _versions.python_version(),
         "executable": sys.executable,
         "torch": torch,
@@ -202,7 +202,7 @@ def report() -> Dict[str, Any]:
         "warnings": cfg.warnings + _untested(torch, NEWEST_TESTED_TORCH, plans),
         "hazards": hazards,
         "not_backportable": _not_backportable(torch, [p.patch for p in plans], cfg),
-        "silent_bugs": known_bugs_for(torch, plans, on is True),
+        "silent_bugs": known_bugs_for(torch, plans, activation["on"]),
         "exit": MISSING if missing else HAZARD if hazards else OK,
     }
 
@@ -215,7 +215,7 @@ def format_text(report: Dict[str, Any]) -> str:
             f"{name:<12} MISSING: torchpatch cannot patch without it; pip install '{DEPENDENCIES[name]}'"
             for name, version in ((n, report[n]) for n in DEPENDENCIES)]
     lines = [
-        f"torchpatch   {report['torchpatch']} ({report['copies']['packages'][0] if report['copies']['packages'] else '?'})",
+        f"torchpatch   {report['torchpatch']} ({report['location']})",
         f"python       {report['python']} ({report['executable']})",
         f"torch        {torch or 'not installed'}",
         *deps,
