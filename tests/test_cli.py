@@ -64,7 +64,9 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly():
         proc.stdout.close()
         err = proc.stderr.read()
         proc.stderr.close()
-        assert proc.wait(timeout=120) == 141 and err == "", (args, err)
+        code = proc.wait(timeout=120)
+        assert err == "", (args, err)
+        assert code == (0 if args == ["--help"] else 141), (args, code)  # argparse's help ignores the failed write
 
 
 def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(tmp_path):
