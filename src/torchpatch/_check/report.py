@@ -159,17 +159,10 @@ def _quiet(text: str) -> None:
     pass
 
 
-def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch]] = None,
-          cfg: Optional[Config] = None, progress: Callable[[str], None] = _quiet) -> Dict[str, Any]:
-    """Scan ``paths`` and resolve every torch name on ``target``: the report as a dict.
-    ``progress`` is told what is being done, as it goes."""
-    target.start()  # the installed torch imports in a helper while the files are scanned
-    cfg = cfg or Config.from_environ()
-    serving = Serving.for_torch(target.version, all_patches() if patches is None else patches, cfg)
-    members = MemberChecker(target.inventory, all_inventories(), serving)
+def _scan(files: Sequence[str], target: Target, progress: Callable[[str], None]) -> List[FileScan]:
+    """The scans of the files that mention torch, telling ``progress`` which file is read."""
     classes = frozenset(k.rsplit(":", 1)[1].rsplit(".", 1)[-1] for k in target.inventory.classes
                         if followed(k, target.inventory))
-    files = list(python_files(paths))
     collecting = gc.isenabled()
     gc.disable()  # parsing allocates millions of AST nodes and makes no cycles: collections only cost time
     try:
@@ -182,10 +175,23 @@ def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch
     finally:
         if collecting:
             gc.enable()
-    if any(name.startswith(shim + ".") for scan in scans for name, _l, _g in scan.names for shim in serving.shims):
-        target.start_shims()  # names inside shim modules: the helper with torchpatch on will be asked
-    resolver = Resolver(target.view, target.version, serving, target.shim_view)
+    return scans
+
+
+def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch]] = None,
+          cfg: Optional[Config] = None, progress: Callable[[str], None] = _quiet) -> Dict[str, Any]:
+    """Scan ``paths`` and resolve every torch name on ``target``: the report as a dict.
+    ``progress`` is told what is being done, as it goes."""
+    target.start()  # the installed torch imports in a helper while the files are scanned
     try:
+        cfg = cfg or Config.from_environ()
+        serving = Serving.for_torch(target.version, all_patches() if patches is None else patches, cfg)
+        files = list(python_files(paths))
+        scans = _scan(files, target, progress)
+        if any(name.startswith(shim + ".") for scan in scans for name, _l, _g in scan.names for shim in serving.shims):
+            target.start_shims()  # names inside shim modules: the helper with torchpatch on will be asked
+        resolver = Resolver(target.view, target.version, serving, target.shim_view)
+        members = MemberChecker(target.inventory, all_inventories(), serving)
         rows = _rows(scans, resolver, members, progress)
     finally:
         target.close()
