@@ -5,6 +5,7 @@ constructor calls: test_check_members.py; shims: test_check_shims.py; the helper
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 
@@ -307,9 +308,12 @@ def test_torch_version_names_a_release_or_the_newest_of_a_minor():
         if not TORCH or _versions.release(TORCH)[:2] != _versions.release(minor):  # else: the installed one
             assert report(CLEAN, "--torch", minor, "--no-import")["torch"] == newest, minor
     assert report(CLEAN, "--torch", known[0], "--no-import")["torch"] == known[0]
-    for bad in ("3.99", "2.4.7", "2", "latest"):
+    for bad in ("3.99", "2.4.7", "2", "latest", ""):  # never the installed torch by default
         proc = check(CLEAN, "--torch", bad)
         assert proc.returncode == 2 and f"inventoried {', '.join(known)}" in proc.stderr, (bad, proc.stderr)
+        assert proc.stdout == ""
+    assert "--torch '2' is ambiguous: name a minor, X.Y (its newest release), or a release, X.Y.Z" in check(
+        CLEAN, "--torch", "2").stderr
     # the choice itself: the installed torch counts as a release of its minor
     assert pick_version("2.9", None, ["2.1.2", "2.9.0", "2.9.1"]) == "2.9.1"
     assert pick_version("2.9.0", None, ["2.9.0", "2.9.1"]) == "2.9.0"
@@ -317,6 +321,61 @@ def test_torch_version_names_a_release_or_the_newest_of_a_minor():
     assert pick_version("2.10", None, ["2.1.2", "2.10.0"]) == "2.10.0"  # 2.1 is not a prefix of 2.10
     with pytest.raises(ValueError, match="neither installed nor inventoried: installed 2.13.0; inventoried 2.1.2"):
         pick_version("2.2", "2.13.0", ["2.1.2"])
+
+
+def test_a_directory_without_python_files_is_a_usage_error(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("import torch\n")
+    (tmp_path / ".venv").mkdir()
+    (tmp_path / ".venv" / "hidden.py").write_text("import torch\n")  # hidden directories are skipped
+    proc = check(tmp_path)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith(f"torchpatch check: no Python files under {tmp_path} (hidden directories,")
+    assert check(tmp_path, CLEAN, "--torch", "2.1.2").returncode == 2  # one empty directory among others
+    (tmp_path / "train.py").write_text("import torch.distributed\n")
+    assert check(tmp_path, "--torch", "2.1.2").returncode == 0
+
+
+def test_problems_shows_only_unresolved_guarded_and_unknown_rows():
+    whole = report(TRAINER, "--torch", "2.1.2", "--no-import")
+    problems = report(TRAINER, "--torch", "2.1.2", "--no-import", "--problems")
+    assert problems["rows"] == [r for r in whole["rows"] if r["kind"] in ("unresolved", "guarded", "unknown")]
+    assert problems["counts"] == whole["counts"] and problems["exit"] == whole["exit"] == 1
+    assert problems["hidden"] == whole["counts"]["native"] + whole["counts"]["patched"] > 0
+    text = check(TRAINER, "--torch", "2.1.2", "--no-import", "--problems").stdout.splitlines()
+    kinds_shown = {line.split()[0] for line in text[1:-1] if line.startswith("  ") and not line.startswith("   ")}
+    assert kinds_shown <= {"unresolved", "guarded", "unknown", "skipped"} and "unresolved" in kinds_shown
+    assert text[0].startswith(f"torchpatch check: 8 files (6 use torch), {len(whole['rows'])} torch names")
+    assert text[-1].endswith(f"; --problems: {problems['hidden']} patched and native rows not shown; exit 1")
+
+
+def test_progress_is_shown_on_a_terminal_only():
+    """stderr a terminal: a status line rewritten in place and cleared at the end; stderr a pipe:
+    nothing but the report on stdout."""
+    import pty
+
+    main, tty = pty.openpty()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "torchpatch", "check", str(TRAINER), "--torch", "2.1.2"],
+                              stdout=subprocess.PIPE, stderr=tty, env=clean_env(), text=True, timeout=300, cwd=FIXTURES)
+        os.close(tty)
+        shown = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # the terminal's other end is closed: all read
+                break
+            if not chunk:
+                break
+            shown += chunk
+    finally:
+        os.close(main)
+    text = shown.decode()
+    assert "\rtorchpatch check: scanning file 1/8: " in text, text
+    assert text.endswith("\r"), text  # cleared: the report is not mixed with it
+    assert proc.stdout.startswith("torchpatch check: 8 files") and proc.returncode == 1
+    piped = check(TRAINER, "--torch", "2.1.2")
+    assert piped.stderr == "" and piped.stdout == proc.stdout
 
 
 def test_check_never_imports_torch_in_its_own_process():

@@ -37,23 +37,85 @@ def test_list_text():
     assert f"torch {TORCH}" in out and "torch-six" in out and "processgroup-deepcopy" in out
 
 
+def test_list_says_activation_is_off_and_what_would_be_on():
+    off, on = cli("list"), cli("list", env=clean_env(TORCHPATCH="1"))
+    first = off.stdout.splitlines()[0]
+    assert "activation is OFF here (TORCHPATCH is not set): nothing is applied; with TORCHPATCH=1 the patches would be:" in first
+    row = next(line for line in off.stdout.splitlines() if line.strip().startswith("processgroup-deepcopy"))
+    assert row.endswith("applies; would be on (on by default)"), row
+    assert "; on (" not in off.stdout
+    assert "activation is on (TORCHPATCH=1); patches:" in on.stdout.splitlines()[0]
+    row = next(line for line in on.stdout.splitlines() if line.strip().startswith("processgroup-deepcopy"))
+    assert row.endswith("applies; on (on by default)") and "would be" not in on.stdout
+    zero = cli("list", env=clean_env(TORCHPATCH="0", TORCHPATCH_DISABLE="torch-six")).stdout
+    assert "activation is OFF here (TORCHPATCH='0')" in zero and "would be off (in TORCHPATCH_DISABLE)" in zero
+    assert {r["activated"] for r in json.loads(cli("list", "--json").stdout)} == {False}
+    assert {r["activated"] for r in json.loads(cli("list", "--json", env=clean_env(TORCHPATCH="1")).stdout)} == {True}
+
+
+def test_output_piped_into_a_reader_that_stops_ends_quietly():
+    """``torchpatch list | head -1``: the reader goes away; no BrokenPipeError traceback, status 141
+    (128 + SIGPIPE) as for the standard tools. The read end is closed before anything is written, so
+    every write fails, whatever the size of the pipe's buffer."""
+    fixture = str(REPO / "tests" / "fixtures" / "check" / "clean")
+    for args in (["list"], ["list", "--json"], ["doctor"], ["check", fixture, "--torch", "2.1.2"], ["--help"]):
+        proc = subprocess.Popen([sys.executable, "-m", "torchpatch", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=clean_env(), text=True)
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.stderr.close()
+        code = proc.wait(timeout=120)
+        assert err == "", (args, err)
+        assert code == (0 if args == ["--help"] else 141), (args, code)  # argparse's help ignores the failed write
+
+
+def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(tmp_path):
+    """``PATCH = P`` and ``PATCHES = [P]`` in one plugin module: P once, no warning that its id is
+    taken; another Patch object reusing the id still is one."""
+    info = tmp_path / "tp_both-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-both\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[torchpatch.patches]\nboth = tp_both\n")
+    (tmp_path / "tp_both.py").write_text(
+        "from torchpatch import Patch\n"
+        "PATCH = Patch(id='both-ways', summary='s', torch='>=1.0', upstream='u')\n"
+        "PATCHES = [PATCH]\n"
+        "OTHER = Patch(id='both-ways', summary='another', torch='>=1.0', upstream='u')\n")
+    env = clean_env(PYTHONPATH=str(tmp_path))
+    proc = cli("list", "--json", env=env)
+    assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
+    assert "already taken" not in proc.stderr, proc.stderr
+    (tmp_path / "tp_both.py").write_text((tmp_path / "tp_both.py").read_text() + "PATCHES = [PATCH, OTHER]\n")
+    proc = cli("list", "--json", env=env)
+    assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
+    assert "ignoring third-party patch 'both-ways': the id is already taken" in proc.stderr
+
+
 def test_doctor_json():
-    report = json.loads(cli("doctor", "--json", env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE="nope")).stdout)
+    proc = cli("doctor", "--json", env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE="nope"))
+    report = json.loads(proc.stdout)
     assert report["torch"] == TORCH
     assert any(path.endswith("torchpatch.pth") for path in report["startup_hook"])
+    assert report["activation"]["on"] is True and report["activation"]["hook_ran"] is True  # the .pth armed it
     assert report["flags"] == {"TORCHPATCH": "1", "TORCHPATCH_DISABLE": "nope"}
     assert "processgroup-deepcopy" in report["would_apply"]
     assert any("unknown patch id(s) nope" in w for w in report["warnings"])
-    assert report["hazards"] == []  # the matrix venvs pin numpy<2 where torch needs it
+    assert report["missing_dependencies"] == [] and report["wrapt"] and report["packaging"]
+    # the matrix venvs pin numpy<2 where torch needs it; a development overlay (a venv in front of
+    # another that has torchpatch too) really has two copies, which test_doctor.py covers
+    copies = [h for h in report["hazards"] if "installed copies of torchpatch" in h]
+    assert len(copies) == (len(report["copies"]["packages"]) > 1 or len(report["copies"]["distributions"]) > 1)
+    assert [h for h in report["hazards"] if h not in copies] == []
+    assert proc.returncode == (1 if copies else 0)
 
 
 def test_doctor_names_the_numpy_hazard():
     out = run_py(
         """
-        from torchpatch import _cli
-        _cli._dist_version = lambda name: {"numpy": "2.1.0"}.get(name)
-        print(_cli._hazards("2.1.2+cu121"))
-        print(_cli._hazards("2.4.1"))
+        from torchpatch import _doctor
+        _doctor._dist_version = lambda name: {"numpy": "2.1.0"}.get(name)
+        print(_doctor._hazards("2.1.2+cu121"))
+        print(_doctor._hazards("2.4.1"))
         """
     ).stdout.splitlines()
     assert "numpy 2.1.0 beside torch 2.1.2+cu121" in out[0] and "numpy<2" in out[0]
@@ -97,6 +159,41 @@ def test_doctor_warns_on_a_torch_newer_than_the_tested_ones():
 def test_newest_tested_torch_is_the_newest_of_the_matrix():
     matrix = re.findall(r'^\s*"(\d+\.\d+\.\d+)":', (REPO / "noxfile.py").read_text(), re.M)
     assert max(matrix, key=_versions.release) == NEWEST_TESTED_TORCH
+
+
+def test_version_is_the_packages():
+    import torchpatch
+
+    assert cli("--version").stdout.strip() == f"torchpatch {torchpatch.__version__}"
+
+
+def test_run_warns_where_the_interpreter_flags_defeat_its_bootstrap():
+    probe = "import torchpatch; print(torchpatch.is_installed())"
+    plain = cli("run", "--", sys.executable, "-c", probe)
+    assert plain.stdout.strip() == "True" and plain.stderr == ""
+    no_site = cli("run", "--", sys.executable, "-S", "-c", "import sys; print('torchpatch' in sys.modules)")
+    assert no_site.stdout.strip() == "False"  # nothing ran: the warning is true
+    assert no_site.stderr.startswith("torchpatch run: warning: python -S skips the site module, so neither")
+    assert "torchpatch stays off in that process" in no_site.stderr
+    # -I and -E ignore PYTHONPATH (the bootstrap); this interpreter's own .pth still activates it
+    for flag in ("-I", "-E", "-uE"):
+        proc = cli("run", "--", sys.executable, flag, "-c", probe)
+        assert proc.stdout.strip() == "True", proc.stderr
+        assert "ignores PYTHONPATH, so this command's bootstrap does not reach it" in proc.stderr, flag
+        assert "(this interpreter has one)" in proc.stderr
+    quiet = cli("run", "--", sys.executable, "-S", "-c", "pass", env=clean_env(TORCHPATCH_LOG="off"))
+    assert quiet.stderr == ""
+
+
+def test_interpreter_flags_of_a_command():
+    from torchpatch._run import interpreter_flags
+
+    assert interpreter_flags(["python3", "-u", "-X", "dev", "-SE", "train.py", "-I"]) == {"u", "S", "E"}
+    assert interpreter_flags(["/usr/bin/python3.11", "-W", "error", "-I", "-m", "torch.distributed.run"]) == {"I"}
+    assert interpreter_flags(["python", "-Xdev", "-IS", "x.py"]) == {"I", "S"}
+    assert interpreter_flags(["python", "-c", "-S"]) == set() and interpreter_flags(["python", "-mS"]) == set()
+    assert interpreter_flags(["python", "--check-hash-based-pycs", "always", "-E", "x.py"]) == {"E"}
+    assert interpreter_flags(["torchrun", "-S", "train.py"]) == set()  # not an interpreter by name
 
 
 def test_run_activates_and_passes_arguments():

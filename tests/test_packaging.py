@@ -1,7 +1,11 @@
-"""The installed wheel: what it ships, what it depends on, and the PEP 829 start-up entry point."""
+"""The installed wheel: what it ships, what it depends on, and the PEP 829 start-up entry point; the
+sdist and the wheel built from it; one source for the version."""
 
+import re
 import subprocess
 import sys
+import tarfile
+import zipfile
 
 if sys.version_info >= (3, 10):
     from importlib import metadata
@@ -53,3 +57,52 @@ def test_readme_patch_table_is_generated_from_the_patches():
     proc = subprocess.run([sys.executable, str(REPO / "tools" / "patch_table.py"), "--check"],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_wheel_ships_license_and_type_marker_and_metadata():
+    assert f"torchpatch-{DIST.version}.dist-info/licenses/LICENSE" in FILES
+    assert "torchpatch/py.typed" in FILES
+    assert DIST.read_text("licenses/LICENSE") == (REPO / "LICENSE").read_text()
+    assert "Copyright (c) 2026, the torchpatch authors" in (REPO / "LICENSE").read_text()
+    meta = DIST.metadata
+    assert meta["License-Expression"] == "BSD-3-Clause"
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
+    assert {"Homepage", "Source", "Issues", "Changelog", "Documentation"} <= set(urls), urls
+    classifiers = meta.get_all("Classifier")
+    assert "Typing :: Typed" in classifiers and any(c.startswith("Programming Language :: Python :: 3") for c in classifiers)
+
+
+def test_one_source_for_the_version():
+    import torchpatch
+    from torchpatch._version import __version__
+
+    assert DIST.version == torchpatch.__version__ == __version__
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert re.search(r'^dynamic = \["version"\]', pyproject, re.M) and not re.search(r"^version\s*=", pyproject, re.M)
+    assert 'path = "src/torchpatch/_version.py"' in pyproject
+    sources = [p for p in (REPO / "src").rglob("*.py") if re.search(r"^__version__\s*=", p.read_text(), re.M)]
+    assert sources == [REPO / "src" / "torchpatch" / "_version.py"]
+    proc = subprocess.run([sys.executable, "-m", "torchpatch", "--version"], capture_output=True, text=True,
+                          env=clean_env())
+    assert proc.stdout.strip() == f"torchpatch {DIST.version}"
+
+
+def test_sdist_and_the_wheel_built_from_it_ship_license_changelog_and_type_marker(tmp_path):
+    """`python -m build`: the sdist first, then the wheel from the unpacked sdist (as pip builds
+    from PyPI), so what the sdist lacks, the wheel lacks too."""
+    subprocess.run([sys.executable, "-m", "build", "-q", "--outdir", str(tmp_path), str(REPO)], check=True,
+                   capture_output=True)
+    sdist, = tmp_path.glob("torchpatch-*.tar.gz")
+    wheel, = tmp_path.glob("torchpatch-*.whl")
+    version = DIST.version
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        pkg_info = tar.extractfile(f"torchpatch-{version}/PKG-INFO").read().decode()
+    assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "src/torchpatch/py.typed",
+            "src/torchpatch/_version.py"} <= names, sorted(names)
+    assert f"Version: {version}" in pkg_info and "License-File: LICENSE" in pkg_info
+    with zipfile.ZipFile(wheel) as whl:
+        files = set(whl.namelist())
+        license_text = whl.read(f"torchpatch-{version}.dist-info/licenses/LICENSE").decode()
+    assert {"torchpatch/py.typed", "torchpatch/_version.py", "torchpatch.pth", "_torchpatch_startup.py"} <= files
+    assert license_text == (REPO / "LICENSE").read_text()

@@ -7,7 +7,6 @@ Activated in every process by ``TORCHPATCH=1`` (through the ``torchpatch.pth`` s
 from ._manager import (
     PatchError,
     PatchPlan,
-    __version__,
     _activate_at_startup,
     install,
     is_installed,
@@ -16,6 +15,7 @@ from ._manager import (
     uninstall,
 )
 from ._patch import Patch, Patcher
+from ._version import __version__
 
 __all__ = [
     "Patch",

@@ -5,17 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import site
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional
 
-from _torchpatch_startup import parse_flag
+from _torchpatch_startup import log_is_off
 
 from . import _versions
-from ._config import Config
-from ._known_bugs import known_bugs_for
 from ._manager import PatchPlan, __version__, plan
-from ._patch import Patch
 
 DESCRIPTION = """\
 Run distributed PyTorch code on the torch you have, with zero code changes.
@@ -33,64 +29,14 @@ Environment:
   TORCHPATCH_<ID>=0|1         one patch off/on, e.g. TORCHPATCH_PROCESSGROUP_DEEPCOPY=0
   TORCHPATCH_STRICT=1         a patch that fails while applying raises instead of being skipped
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
+
+Did it act? A process in which torchpatch activated prints one line when it exits, e.g.
+`torchpatch: 0.1.0 on torch 2.4.1, Python 3.11.7: applied ...`; no line means it did not act
+(`torchpatch doctor` says why). Output piped into `head` and the like stops quietly.
 """
 
 
-def _installed_startup_hooks() -> List[str]:
-    dirs = list(site.getsitepackages()) if hasattr(site, "getsitepackages") else []
-    if site.ENABLE_USER_SITE:
-        dirs.append(site.getusersitepackages())
-    return [os.path.join(d, "torchpatch.pth") for d in dirs if os.path.exists(os.path.join(d, "torchpatch.pth"))]
-
-
-def _dist_version(name: str) -> Optional[str]:
-    if sys.version_info >= (3, 10):
-        from importlib import metadata
-    else:
-        import importlib_metadata as metadata
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _hazards(torch: Optional[str]) -> List[str]:
-    found = []
-    numpy = _dist_version("numpy")
-    if torch and numpy and _versions.matches("<2.3", torch) and _versions.matches(">=2", numpy):
-        found.append(
-            f"numpy {numpy} beside torch {torch}, which was built against numpy 1.x: torch.from_numpy"
-            " and friends fail ('_ARRAY_API not found'); install 'numpy<2'"
-        )
-    return found
-
-
-def _untested(torch: Optional[str], newest: str, plans: List[PatchPlan]) -> List[str]:
-    """A warning where ``torch`` is newer than ``newest``, the newest torch the catalogue was tested
-    on: every patch that applies to it has an open-ended version range."""
-    if not _versions.matches(f">{newest}", torch):
-        return []
-    applying = ", ".join(p.patch.id for p in plans if p.applies) or "none"
-    return [f"torch {torch} is newer than the newest torch this catalogue was tested on ({newest}):"
-            f" the patches whose version range is open-ended apply untested ({applying})"]
-
-
-def _not_backportable(torch: Optional[str], patches: Sequence[Patch] = (), cfg: Optional[Config] = None) -> List[Dict[str, str]]:
-    """Features this torch lacks that torchpatch cannot serve (patches/not_backportable.json), less
-    those a catalogue patch serves on this torch (switched on or not)."""
-    from ._check import not_backportable
-    from ._check.serving import Serving
-
-    missing = [e for e in not_backportable() if torch and not _versions.matches(e["torch"], torch)]
-    if not missing or not patches:
-        return missing
-    serving = Serving.for_torch(torch, patches, cfg or Config.from_environ())
-    served = set(serving.shims) | set(serving.aliases) | set(serving.off)
-    served |= {f"{module}.{name}" for module, name in serving.symbols}
-    return [e for e in missing if e["name"] not in served]
-
-
-def _plan_rows(plans: List[PatchPlan]) -> List[Dict[str, Any]]:
+def _plan_rows(plans: List[PatchPlan], activated: bool) -> List[Dict[str, Any]]:
     return [
         {
             "id": p.patch.id,
@@ -102,6 +48,7 @@ def _plan_rows(plans: List[PatchPlan]) -> List[Dict[str, Any]]:
             "enabled": p.decision.enabled,
             "enabled_reason": p.decision.reason,
             "active": p.active,
+            "activated": activated,
             "provides": p.patch.provides,
             "upstream": p.patch.upstream,
         }
@@ -110,86 +57,39 @@ def _plan_rows(plans: List[PatchPlan]) -> List[Dict[str, Any]]:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    rows = _plan_rows(plan())
+    from ._doctor import activation
+
+    activated, words = activation()
+    rows = _plan_rows(plan(), activated)
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
     torch = _versions.torch_version()
-    print(f"torchpatch {__version__}, torch {torch or '(not installed)'}; patches:")
+    on, off = ("on", "off") if activated else ("would be on", "would be off")
+    intro = "patches:" if activated else "with TORCHPATCH=1 the patches would be:"
+    print(f"torchpatch {__version__}, torch {torch or '(not installed)'}; {words}; {intro}")
     width = max([len(r["id"]) for r in rows] + [2])
     for r in rows:
         applies = "applies" if r["applies"] else f"n/a ({r['applies_reason']})"
-        state = ("on" if r["enabled"] else "off") + f" ({r['enabled_reason']})"
+        state = (on if r["enabled"] else off) + f" ({r['enabled_reason']})"
         tag = " [silent wrong results]" if r["category"] == "correctness" else ""
         print(f"  {r['id']:<{width}}  {applies}; {state}{tag}\n  {'':<{width}}  {r['summary']}")
     return 0
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from .patches import NEWEST_TESTED_TORCH
+    from . import _doctor
 
-    cfg = Config.from_environ()
-    plans = plan(cfg=cfg)
-    torch = _versions.torch_version()
-    report = {
-        "torchpatch": __version__,
-        "python": _versions.python_version(),
-        "executable": sys.executable,
-        "torch": torch,
-        "wrapt": _dist_version("wrapt"),
-        "numpy": _dist_version("numpy"),
-        "startup_hook": _installed_startup_hooks(),
-        "flags": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHPATCH")},
-        "strict": cfg.strict,
-        "log_level": cfg.log_level,
-        "would_apply": [p.patch.id for p in plans if p.active],
-        "switched_off": {p.patch.id: p.decision.reason for p in plans if p.applies and not p.decision.enabled},
-        "newest_tested_torch": NEWEST_TESTED_TORCH,
-        "warnings": cfg.warnings + _untested(torch, NEWEST_TESTED_TORCH, plans),
-        "hazards": _hazards(torch),
-        "not_backportable": _not_backportable(torch, [p.patch for p in plans], cfg),
-        "silent_bugs": known_bugs_for(torch, plans, parse_flag(os.environ.get("TORCHPATCH", "0")) is True),
-    }
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    hook = ", ".join(report["startup_hook"]) or "NOT FOUND (use `torchpatch run -- CMD`, or sitecustomize_example.py)"
-    lines = [
-        f"torchpatch   {__version__}",
-        f"python       {report['python']} ({sys.executable})",
-        f"torch        {torch or 'not installed'}",
-        f"wrapt        {report['wrapt']}",
-        f"numpy        {report['numpy'] or 'not installed'}",
-        f"start-up     {hook}",
-        "flags        " + (" ".join(f"{k}={v}" for k, v in report["flags"].items()) or "none (torchpatch is off)"),
-        "would apply  " + (", ".join(report["would_apply"]) or "nothing"),
-    ]
-    lines += [f"switched off {k}: {v}" for k, v in report["switched_off"].items()]
-    lines += [f"warning      {w}" for w in report["warnings"]]
-    lines += [f"HAZARD       {h}" for h in report["hazards"]] or ["hazards      none found"]
-    lines += [f"not here     {e['what']}: {e['name']} needs torch {e['torch']} (cannot be backported)"
-              for e in report["not_backportable"]]
-    lines += [(f"silent bug   fixed: {b['id']}" if b["fixed"] else f"SILENT BUG   NOT FIXED: {b['id']}")
-              + f" (torch {b['torch']}): {b['what']}; {b['why']}; {b['upstream']}" for b in report["silent_bugs"]]
-    if torch and not report["silent_bugs"]:
-        lines.append(f"silent bugs  none known for torch {torch}")
-    print("\n".join(lines))
-    return 0
+    report = _doctor.report()
+    print(json.dumps(report, indent=2) if args.json else _doctor.format_text(report))
+    return int(report["exit"])
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from . import _run
+
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        print("torchpatch run: give the command to run, e.g. torchpatch run -- torchrun train.py", file=sys.stderr)
-        return 2
-    bootstrap = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-    env = dict(os.environ, TORCHPATCH="1")
-    env["PYTHONPATH"] = os.pathsep.join([bootstrap] + [p for p in [env.get("PYTHONPATH")] if p])
-    try:
-        os.execvpe(command[0], command, env)
-    except OSError as exc:
-        print(f"torchpatch run: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-        return 127
+    return _run.run(command, quiet=log_is_off())
 
 
 CHECK_HELP = """\
@@ -216,11 +116,16 @@ with the calls of those classes checked against their __init__ (`DeviceMesh.get_
 
 Against the installed torch (default), what exists comes from its inventory in the catalogue when
 there is one, and otherwise from a helper interpreter that imports torch once, with torchpatch off
-(--no-import: never; those names stay unknown). --torch VERSION checks against an inventoried torch
+(--no-import: never; those names stay unknown); the helper reads a module's source instead of
+importing it where the source says plainly (a submodule file, a top-level def, class or assignment). --torch VERSION checks against an inventoried torch
 that need not be installed: X.Y.Z exactly, X.Y the newest inventoried X.Y.*. Patches count as on or
 off the way the TORCHPATCH_* variables of this shell say, whether TORCHPATCH itself is set or not.
 
-Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error or when the helper that
+--problems shows only the unresolved, guarded and unknown rows (the counts stay whole). On a
+terminal, progress is shown on stderr while the scan and the helper work.
+
+Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error (a missing path, a
+directory without .py files, an unknown --torch) or when the helper that
 imports torch gives no answer within TORCHPATCH_CHECK_TIMEOUT seconds (default 60). A file that
 does not parse is reported and skipped; it does not change the exit status by itself.
 """
@@ -233,30 +138,52 @@ def cmd_check(args: argparse.Namespace) -> int:
     if missing:
         print(f"torchpatch check: no such file or directory: {', '.join(missing)}", file=sys.stderr)
         return 2
+    empty = [p for p in args.paths if os.path.isdir(p) and next(_check.python_files([p]), None) is None]
+    if empty:
+        print(f"torchpatch check: no Python files under {', '.join(empty)} (hidden directories, __pycache__,"
+              " node_modules, site-packages and virtual environments are skipped): give a repository or .py files",
+              file=sys.stderr)
+        return 2
     try:
         target = _check.choose_target(args.torch, live=not args.no_import)
     except (ValueError, _check.CheckError) as exc:  # no such torch; a bad TORCHPATCH_CHECK_TIMEOUT
         print(f"torchpatch check: {exc}", file=sys.stderr)
         return 2
+    progress = _check.Progress(sys.stderr)
     try:
-        report = _check.check(args.paths, target)
+        report = _check.check(args.paths, target, progress=progress.say)
     except _check.CheckError as exc:  # the helper that imports torch did not answer
+        progress.done()
         print(f"torchpatch check: {exc}", file=sys.stderr)
         return 2
+    progress.done()
+    if args.problems:
+        report = _check.only_problems(report)
     print(json.dumps(report) if args.json else _check.format_text(report))  # one line: the C encoder
     return int(report["exit"])
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ._doctor import EXIT_CODES
+
     parser = argparse.ArgumentParser(
         prog="torchpatch", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"torchpatch {__version__}")
     sub = parser.add_subparsers(dest="cmd", metavar="COMMAND")
-    p = sub.add_parser("list", help="every patch: does it apply to the installed torch, is it on, and why")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p = sub.add_parser("list", help="every patch: does it apply to the installed torch, is it (or would it be) on, and why",
+                       description="Every patch of the catalogue and the plugins: whether it applies to the installed"
+                       " torch and Python, and whether the TORCHPATCH_* variables of this shell have it on. Where"
+                       " TORCHPATCH is not set (or off), nothing is applied and the list says what TORCHPATCH=1"
+                       " would turn on.")
+    p.add_argument("--json", action="store_true",
+                   help="machine-readable output: one object per patch ('activated': TORCHPATCH is on here;"
+                   " 'active': applies and enabled, so on once activated)")
     p.set_defaults(func=cmd_list)
-    p = sub.add_parser("doctor", help="environment report: versions, start-up hook, flags, hazards")
+    p = sub.add_parser("doctor", help="environment report: versions, dependencies, start-up hook, copies, flags, hazards",
+                       description="What torchpatch finds in this environment, hazards first in capitals, and how"
+                       " to tell whether torchpatch acted in a process.\n\n" + EXIT_CODES,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
     p = sub.add_parser(
@@ -264,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="run CMD with torchpatch on (TORCHPATCH=1), even where the .pth start-up hook is not processed",
         description="Set TORCHPATCH=1 and exec CMD. A bootstrap sitecustomize is put first on PYTHONPATH, so"
         " torchpatch activates even for installs made with --target or on a shared PYTHONPATH; it chains"
-        " to any existing sitecustomize.",
+        " to any existing sitecustomize. Where CMD starts Python with -S (no site: no hook runs at all) or"
+        " -I/-E (PYTHONPATH ignored: the bootstrap is not seen), a warning says so (TORCHPATCH_LOG=off: none).",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
     p.set_defaults(func=cmd_run)
@@ -282,15 +210,37 @@ def build_parser() -> argparse.ArgumentParser:
                    f" inventoried X.Y.*; inventoried: {', '.join(inventory_files())}")
     p.add_argument("--no-import", action="store_true",
                    help="never import the installed torch: names its inventory cannot decide are reported unknown")
+    p.add_argument("--problems", action="store_true", help="show only the unresolved, guarded and unknown rows")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")
     p.set_defaults(func=cmd_check)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
+    """``run()``, flushing stdout; where the reader went away (``torchpatch list | head``), exit
+    quietly as the standard tools do (status 141, 128 + SIGPIPE), with no traceback."""
+    try:
+        try:
+            code = run()
+        except SystemExit as exc:  # argparse's --help, --version and usage errors
+            code = exc.code if isinstance(exc.code, int) else 2
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
+        os.close(devnull)
+        return 141
+
+
+def _main(argv: Optional[List[str]]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 0
-    return args.func(args)
+    return int(args.func(args))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    return _quiet_on_broken_pipe(lambda: _main(argv))

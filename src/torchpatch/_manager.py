@@ -22,8 +22,7 @@ from ._record import Journal
 from ._registry import all_patches, applicable_builtin_patches, with_plugins
 from ._summary import JobSummary, configure_logging, log, log_summary
 from ._symbols import SymbolServer
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 APPLIED, NOT_NEEDED, FAILED, WAITING = "applied", "not needed", "failed", "waiting for its module"
 

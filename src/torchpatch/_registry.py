@@ -19,14 +19,15 @@ log = logging.getLogger("torchpatch")
 
 
 def _patches_in(obj: object) -> List[Patch]:
-    """A Patch, an iterable of Patches, or a module whose ``PATCH``/``PATCHES`` holds them."""
+    """A Patch, an iterable of Patches, or a module whose ``PATCH``/``PATCHES`` holds them (a
+    Patch in both counts once)."""
     if isinstance(obj, Patch):
         return [obj]
     if isinstance(obj, ModuleType):
         found: List[Patch] = []
         for attr in ("PATCH", "PATCHES"):
             if hasattr(obj, attr):
-                found += _patches_in(getattr(obj, attr))
+                found += [p for p in _patches_in(getattr(obj, attr)) if not any(p is q for q in found)]
         return found
     if isinstance(obj, (list, tuple)):
         return [p for item in obj for p in _patches_in(item)]

@@ -14,13 +14,16 @@ backported from ``patches/not_backportable.json``.
 One job per module: :mod:`.inventory` (the inventories), :mod:`.helper` (the helper program) and
 :mod:`.live` (talking to it), :mod:`.serving` and :mod:`.resolve` (names), :mod:`.factories`,
 :mod:`.signature` and :mod:`.members` (members and constructor calls), :mod:`.guards` and
-:mod:`.scan` (the AST scan), :mod:`.report` (rows and text), :mod:`.target` (which torch).
+:mod:`.scan` (the AST scan), :mod:`.report` (rows and text), :mod:`.target` (which torch),
+:mod:`.progress` (the status line on a terminal).
 """
 
 from .base import KINDS, CheckError, not_backportable, not_backportable_for
 from .inventory import inventory_files
-from .report import check, exists_in, format_text
+from .progress import Progress
+from .report import check, exists_in, format_text, only_problems
+from .scan import python_files
 from .target import Target, choose_target
 
-__all__ = ["KINDS", "CheckError", "Target", "check", "choose_target", "exists_in", "format_text", "inventory_files",
-           "not_backportable", "not_backportable_for"]
+__all__ = ["KINDS", "CheckError", "Progress", "Target", "check", "choose_target", "exists_in", "format_text",
+           "inventory_files", "not_backportable", "not_backportable_for", "only_problems", "python_files"]

@@ -4,6 +4,11 @@ what exists there, one JSON line per question read from stdin.
     python -m torchpatch._check.helper            # torch as it is (torchpatch off)
     python -m torchpatch._check.helper --patched  # with torchpatch installed first: what shims hold
 
+A submodule of torch is not imported to see that it exists: its file answers (:mod:`.source`),
+as do the plain top-level bindings of a module not imported yet; so a module that exists but
+fails to import here (it needs a package this environment lacks) counts as present, as it does in
+the inventories.
+
 Questions: ``["child", module, name]`` (what ``module.name`` is) and ``["op", namespace, name]``
 (whether ``torch.ops.<namespace>.<name>`` exists). Answers: ``[kind, real module name, note]``,
 kind one of ``module``, ``attr``, ``missing``, ``unknown``. Whatever torch prints goes to stderr.
@@ -20,7 +25,10 @@ import types
 import warnings
 from typing import Any, Dict, List, Optional, Set, Union
 
+from torchpatch._check.source import static_child
+
 NOTE_LIMIT = 400
+ROOT = "torch"
 
 
 class Torch:
@@ -53,6 +61,14 @@ class Torch:
         return self.modules[name]
 
     def child(self, name: str, part: str) -> List[str]:
+        imported = sys.modules.get(name)
+        if name.startswith(f"{ROOT}.") and (imported is None or not hasattr(imported, part)):
+            # importing a module of torch may cost seconds: its source may say enough
+            found = static_child(os.path.dirname(self.torch.__file__), name, part)
+            if found is not None and found["kind"] == "module":
+                return ["module", found["name"], ""]
+            if found is not None and imported is None:  # an imported module's missing attribute stays missing
+                return ["attr", "", ""]
         mod = self.module(name)
         if isinstance(mod, str):
             return ["unknown", "", mod[:NOTE_LIMIT]]

@@ -107,6 +107,9 @@ class InventoryView:
     def op(self, namespace: str, name: str) -> Lookup:
         return UNKNOWN, "", f"{self.label} has no operator list: needs a live torch"
 
+    def start(self) -> None:
+        pass  # nothing to start: the inventory is read already
+
     def close(self) -> None:
         pass
 

@@ -73,22 +73,22 @@ class LiveView:
         self._memo: Dict[Tuple[str, ...], Lookup] = {}
         self._stopped = False  # the helper ended (or was stopped): it answers no more
 
-    def _start(self) -> "subprocess.Popen[str]":
-        proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, env=helper_env(self.patched), text=True)
-        threading.Thread(target=_read_lines, args=(proc.stdout, self._lines), daemon=True).start()
-        return proc
+    def start(self) -> None:
+        """Start the helper (it imports torch at once), ahead of the first question."""
+        if self._proc is None and not self._stopped:
+            self._proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, env=helper_env(self.patched), text=True)
+            threading.Thread(target=_read_lines, args=(self._proc.stdout, self._lines), daemon=True).start()
 
     def _ask(self, *query: str) -> Lookup:
         if query in self._memo:
             return self._memo[query]
         timeout = self._timeout if self._timeout is not None else answer_timeout()
-        if self._proc is None:
-            self._proc = self._start()
+        self.start()
         answer: Lookup = (UNKNOWN, "", "the helper interpreter that imports torch stopped")
         if not self._stopped:
             try:
-                assert self._proc.stdin is not None
+                assert self._proc is not None and self._proc.stdin is not None
                 self._proc.stdin.write(json.dumps(query) + "\n")
                 self._proc.stdin.flush()
                 line = self._lines.get(timeout=timeout)
@@ -117,15 +117,17 @@ class LiveView:
         return self._ask("op", namespace, name)
 
     def close(self) -> None:
+        """Stop the helper: it keeps nothing, so it is killed rather than left to tear torch down."""
         if self._proc is not None:
-            try:
-                assert self._proc.stdin is not None
-                self._proc.stdin.close()  # the helper ends at the end of its input
-                self._proc.wait(timeout=30)
-            except (subprocess.TimeoutExpired, OSError):
-                self._proc.kill()
-                self._proc.wait()
+            self._proc.kill()
+            self._proc.wait()
+            if self._proc.stdin is not None:
+                try:
+                    self._proc.stdin.close()
+                except OSError:  # unflushed input to a dead helper
+                    pass
             self._proc = None
+        self._stopped = True
 
 
 class LayeredView:
@@ -142,6 +144,9 @@ class LayeredView:
     def op(self, namespace: str, name: str) -> Lookup:
         found = self.first.op(namespace, name)
         return self.live.op(namespace, name) if found[0] == UNKNOWN else found
+
+    def start(self) -> None:
+        self.live.start()
 
     def close(self) -> None:
         self.live.close()

@@ -114,8 +114,10 @@ class _Rows:
         return out
 
 
-def _rows(scans: Sequence[FileScan], resolver: Resolver, members: MemberChecker) -> List[Dict[str, Any]]:
+def _rows(scans: Sequence[FileScan], resolver: Resolver, members: MemberChecker,
+          progress: Callable[[str], None]) -> List[Dict[str, Any]]:
     rows = _Rows(scans)
+    total = len({name for scan in scans for name, _line, _guards in scan.names})
     names: Dict[str, Tuple[Result, str, str]] = {}  # name -> (result, row name, note)
     used: Dict[Tuple[Any, str], Optional[Result]] = {}  # (receiver, member) -> result
     calls: Dict[Tuple[Any, CallShape], Optional[Result]] = {}
@@ -131,6 +133,7 @@ def _rows(scans: Sequence[FileScan], resolver: Resolver, members: MemberChecker)
     for f, scan in enumerate(scans):
         for name, line, guards in scan.names:
             if name not in names:
+                progress(f"resolving torch name {len(names) + 1}/{total}: {name}")
                 result = resolver.resolve(name)
                 names[name] = (result,) + _row_key(name, result)
             result, key, note = names[name]
@@ -152,25 +155,44 @@ def _rows(scans: Sequence[FileScan], resolver: Resolver, members: MemberChecker)
     return rows.table()
 
 
-def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch]] = None,
-          cfg: Optional[Config] = None) -> Dict[str, Any]:
-    """Scan ``paths`` and resolve every torch name on ``target``: the report as a dict."""
-    cfg = cfg or Config.from_environ()
-    serving = Serving.for_torch(target.version, all_patches() if patches is None else patches, cfg)
-    members = MemberChecker(target.inventory, all_inventories(), serving)
+def _quiet(text: str) -> None:
+    pass
+
+
+def _scan(files: Sequence[str], target: Target, progress: Callable[[str], None]) -> List[FileScan]:
+    """The scans of the files that mention torch, telling ``progress`` which file is read."""
     classes = frozenset(k.rsplit(":", 1)[1].rsplit(".", 1)[-1] for k in target.inventory.classes
                         if followed(k, target.inventory))
-    files = list(python_files(paths))
     collecting = gc.isenabled()
     gc.disable()  # parsing allocates millions of AST nodes and makes no cycles: collections only cost time
     try:
-        scans = [s for s in (scan_file(p, shown(p), classes) for p in files) if s is not None]
+        scans = []
+        for i, path in enumerate(files):
+            progress(f"scanning file {i + 1}/{len(files)}: {shown(path)}")
+            scan = scan_file(path, shown(path), classes)
+            if scan is not None:
+                scans.append(scan)
     finally:
         if collecting:
             gc.enable()
-    resolver = Resolver(target.view, target.version, serving, target.shim_view)
+    return scans
+
+
+def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch]] = None,
+          cfg: Optional[Config] = None, progress: Callable[[str], None] = _quiet) -> Dict[str, Any]:
+    """Scan ``paths`` and resolve every torch name on ``target``: the report as a dict.
+    ``progress`` is told what is being done, as it goes."""
+    target.start()  # the installed torch imports in a helper while the files are scanned
     try:
-        rows = _rows(scans, resolver, members)
+        cfg = cfg or Config.from_environ()
+        serving = Serving.for_torch(target.version, all_patches() if patches is None else patches, cfg)
+        files = list(python_files(paths))
+        scans = _scan(files, target, progress)
+        if any(name.startswith(shim + ".") for scan in scans for name, _l, _g in scan.names for shim in serving.shims):
+            target.start_shims()  # names inside shim modules: the helper with torchpatch on will be asked
+        resolver = Resolver(target.view, target.version, serving, target.shim_view)
+        members = MemberChecker(target.inventory, all_inventories(), serving)
+        rows = _rows(scans, resolver, members, progress)
     finally:
         target.close()
     counts = {kind: sum(1 for r in rows if r["kind"] == kind) for kind in KINDS}
@@ -187,11 +209,18 @@ def check(paths: Sequence[str], target: Target, patches: Optional[Sequence[Patch
     }
 
 
+def only_problems(report: Dict[str, Any]) -> Dict[str, Any]:
+    """``report`` with only its unresolved, guarded and unknown rows (``--problems``); the counts
+    and the exit status stay those of the whole report."""
+    rows = [r for r in report["rows"] if r["kind"] in (UNRESOLVED, GUARDED, UNKNOWN)]
+    return dict(report, rows=rows, hidden=len(report["rows"]) - len(rows))
+
+
 def format_text(report: Dict[str, Any]) -> str:
     """The report for people: one line per name, problems first."""
     rows = report["rows"]
     lines = [f"torchpatch check: {report['files']} files ({report['files_with_torch']} use torch), "
-             f"{len(rows)} torch names, against {report['source']}"]
+             f"{len(rows) + report.get('hidden', 0)} torch names, against {report['source']}"]
     width = max([len(r["name"]) for r in rows] + [20])
     for r in rows:
         first = r["locations"][0]
@@ -218,5 +247,7 @@ def format_text(report: Dict[str, Any]) -> str:
     summary = ", ".join(f"{counts[k]} {k}" for k in KINDS)
     if counts[PATCHED]:
         summary += " (patched names need TORCHPATCH=1 at run time)"
+    if "hidden" in report:
+        summary += f"; --problems: {report['hidden']} patched and native rows not shown"
     lines.append(f"{summary}; exit {report['exit']}")
     return "\n".join(lines)

@@ -20,6 +20,16 @@ class Target:
     inventory: Inventory  # its classes' members (an empty inventory where there is none)
     shim_view: Optional[LiveView] = None  # the installed torch with torchpatch on: what shims hold
 
+    def start(self) -> None:
+        """Start importing the installed torch now, where it will be asked, so that it runs while
+        the files are scanned."""
+        self.view.start()
+
+    def start_shims(self) -> None:
+        """Likewise for the installed torch with torchpatch on (the names shims hold)."""
+        if self.shim_view is not None:
+            self.shim_view.start()
+
     def close(self) -> None:
         self.view.close()
         if self.shim_view is not None:
@@ -31,6 +41,9 @@ def pick_version(requested: str, installed: Optional[str], inventoried: Sequence
     inventoried or installed; ValueError naming the known ones otherwise."""
     known = f"installed {installed or 'none'}; inventoried {', '.join(inventoried) or 'none'}"
     wanted = _versions.release(requested)
+    if wanted is not None and len(wanted) == 1:
+        raise ValueError(f"--torch {requested!r} is ambiguous: name a minor, X.Y (its newest release), or a"
+                         f" release, X.Y.Z ({known})")
     if wanted is None or len(wanted) not in (2, 3):
         raise ValueError(f"--torch {requested!r}: give X.Y (the newest release of that minor) or X.Y.Z ({known})")
     candidates = set(inventoried).union([installed] if installed else [])
@@ -45,7 +58,7 @@ def choose_target(requested: Optional[str], live: bool) -> Target:
     installed = _versions.torch_version()
     inventories = inventory_files()
     base = ".".join(map(str, _versions.release(installed) or ())) if installed else None
-    if requested:
+    if requested is not None:  # "" too: an error, never the installed torch by default
         version = pick_version(requested, base, list(inventories))
     elif base:
         version = base
