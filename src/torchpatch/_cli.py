@@ -33,6 +33,8 @@ Environment:
   TORCHPATCH_<ID>=0|1         one patch off/on, e.g. TORCHPATCH_PROCESSGROUP_DEEPCOPY=0
   TORCHPATCH_STRICT=1         a patch that fails while applying raises instead of being skipped
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
+  TORCHPATCH_REPORT=DIR       at exit, each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json:
+                              its rank, versions, each patch's status (and error), what it used
 """
 
 
