@@ -29,14 +29,17 @@ if TYPE_CHECKING:
 
 NO_RANK = "none"  # the rank in the file name of a process no launcher gave a RANK
 _installation: Optional["_Installation"] = None
+_directory = ""
 
 
 def arm(inst: "_Installation") -> None:
-    """Write the report of ``inst`` (the newest installation of this process) at exit."""
-    global _installation
+    """Write the report of ``inst`` (the newest installation of this process) at exit, into
+    ``TORCHPATCH_REPORT`` taken relative to the working directory at activation."""
+    global _installation, _directory
     if _installation is None:
         atexit.register(_write_at_exit)
     _installation = inst
+    _directory = os.path.abspath(inst.cfg.report_dir)
 
 
 def _number(name: str) -> Union[int, str, None]:
@@ -139,10 +142,11 @@ def _write_at_exit() -> None:
     inst = _installation
     if inst is None:
         return
-    directory = inst.cfg.report_dir
+    directory = _directory
     try:
         path = write(directory, build(inst))
     except Exception as exc:  # a full disk or a read-only DIR must not turn a finished job into a traceback
-        log.warning("cannot write the report to TORCHPATCH_REPORT=%s: %s: %s", directory, type(exc).__name__, exc)
+        log.warning("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
+                    "TORCHPATCH_REPORT at a writable directory, or unset it", directory, type(exc).__name__, exc)
         return
     log.debug("report written to %s", path)
