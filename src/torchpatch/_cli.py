@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="never import the installed torch: names its inventory cannot decide are reported unknown")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")
     p.set_defaults(func=cmd_check)
+    from ._explain import register as register_explain
+
+    register_explain(sub)
     return parser
 
 
