@@ -50,7 +50,7 @@ FORMS = """\
   ModuleNotFoundError: No module named 'torch._six'
   AttributeError: module 'torch' has no attribute 'compile'
   AttributeError: 'DeviceMesh' object has no attribute '_flatten'   (also: type object 'X' has no ...)
-  torch.distributed.tensor.Partial                                  (a dotted name; Class.member too)"""
+  torch.distributed.tensor.Partial                                  (a dotted name; a class's member too)"""
 
 
 @dataclass(frozen=True)
@@ -94,6 +94,8 @@ def _classes(inv: Inventory, cls: str) -> List[str]:
 def _member(inv: Inventory, serving: Serving, cls: str, member: str) -> Result:
     """``cls.member`` where ``cls`` is the bare name of a torch.distributed class (as an
     AttributeError names it): natively, served, missing, or unknown on ``inv``'s torch."""
+    if not inv.classes:
+        return Result(UNKNOWN, f"{cls}.{member}", note=f"torch {inv.version} has no inventory of its classes' members")
     keys = _classes(inv, cls)
     if not keys:
         return Result(MISSING, f"{cls}.{member}", note=f"torch {inv.version} has no torch.distributed class named {cls}")
@@ -155,12 +157,15 @@ def _mechanisms(patch: Patch, how: Sequence[str], version: str, inv: Inventory) 
 
 @dataclass
 class _Answer:
+    """A verdict, the result it rests on, and the patches that serve the name (or would, if on)."""
+
     verdict: str
     result: Result
-    patches: List[str]  # the patches that serve it (or would, switched off)
+    patches: List[str]
 
 
 def _verdict(query: Query, target: Target, patches: Sequence[Patch], cfg: Config) -> Tuple[_Answer, Serving]:
+    """The verdict on ``target`` with this shell's switches, and what the catalogue serves there."""
     serving = Serving.for_torch(target.version, patches, cfg)
     result = _resolve(query, target.version, target.view, target.inventory, serving, target.shim_view)
     if result.status == NATIVE:
