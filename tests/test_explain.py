@@ -179,6 +179,8 @@ def test_without_torch_the_newest_inventoried_one_answers(tmp_path):
 
 
 def test_help_lists_the_forms_and_exit_statuses():
+    top = subprocess.run([sys.executable, "-m", "torchpatch", "--help"], capture_output=True, text=True).stdout
+    assert "explain" in top
     out = explain("--help").stdout
     for text in (PARTIAL, FLATTEN, COMPILE, SIX, DOTTED, "--torch", "--json", "torchpatch explain -", "exit 1", "Exit 2"):
         assert text in out, text

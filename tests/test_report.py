@@ -111,3 +111,8 @@ def test_nothing_without_torchpatch_and_no_report_module_without_the_variable(tm
     assert list(tmp_path.iterdir()) == []
     assert "torchpatch._report" not in run_json(code, env=clean_env(TORCHPATCH="1"))
     assert "torchpatch._report" in run_json(code, env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path)))
+
+
+def test_help_names_the_variable():
+    out = run_py("from torchpatch._cli import main; main(['--help'])").stdout
+    assert "TORCHPATCH_REPORT=DIR" in out and "DIR/torchpatch-<host>-<rank>-<pid>.json" in out
