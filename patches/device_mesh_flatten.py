@@ -31,7 +31,7 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/132632",
     behaviour="root_mesh[flattened_name]",
 )
-PATCH.sets("torch.distributed.device_mesh", ("DeviceMesh._flatten",))
+PATCH.sets("torch.distributed.device_mesh.DeviceMesh", ("_flatten",))  # a member: on the class's dotted name
 
 # root mesh -> flattened name -> (the flattened 1-D mesh of this rank, the root dimensions it spans);
 # root meshes live as long as the job (torch 2.5 keeps the same mappings in its _MeshEnv).

@@ -144,6 +144,9 @@ def full_tensor(self: Any, *, grad_placements: Optional[Sequence[Any]] = None) -
     return _to_local_waited().apply(replicated, grad_placements)
 
 
+PATCH.sets("torch.distributed._tensor.api.DTensor", ("full_tensor",))  # a member: on the class's dotted name
+
+
 @PATCH.on_import("torch.distributed._tensor.api")
 def add_full_tensor(patcher: Patcher, api: ModuleType) -> bool:
     if hasattr(api.DTensor, "full_tensor"):

@@ -39,12 +39,15 @@ def rows(data):
     return {r["name"]: r for r in data["rows"]}
 
 
-def test_mesh_flatten_and_pipeline_stage_input_args_are_gaps_on_2_4():
+def test_mesh_flatten_is_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
     data = report(MEMBERS, "--torch", "2.4.1")
     found = rows(data)
     flatten = found[f"{MESH}._flatten"]  # mesh["dp_shard", "cp"]._flatten("dp"): the slice of a mesh is a mesh
-    assert flatten["kind"] == "unresolved" and flatten["locations"] == [{"file": "members/parallel.py", "line": 9}]
-    assert "2.4.1" not in flatten["exists_in"] and "2.13.0" in flatten["exists_in"]
+    assert flatten["kind"] == "patched" and flatten["locations"] == [{"file": "members/parallel.py", "line": 9}]
+    assert flatten["patches"] == ["device-mesh-flatten"]  # declared with Patch.sets on the class's dotted name
+    no_flatten = rows(report(MEMBERS, "--torch", "2.4.1", env=clean_env(TORCHPATCH_DEVICE_MESH_FLATTEN="0")))
+    assert no_flatten[f"{MESH}._flatten"]["kind"] == "unresolved"
+    assert "2.4.1" not in no_flatten[f"{MESH}._flatten"]["exists_in"] and "2.13.0" in no_flatten[f"{MESH}._flatten"]["exists_in"]
     stage = found[STAGE_INIT]  # input_args is required on 2.4; the call that passes it is fine
     assert stage["kind"] == "unresolved" and stage["locations"] == [{"file": "members/parallel.py", "line": 25}]
     assert stage["note"].startswith("missing required argument 'input_args': torch 2.4.1's __init__ is (self, submodule,")
@@ -57,7 +60,7 @@ def test_mesh_flatten_and_pipeline_stage_input_args_are_gaps_on_2_4():
         assert found[f"{MESH}.{member}"]["kind"] == "native", member
     assert found["torch.distributed.pipelining.stage.PipelineStage.is_first"]["kind"] == "native"
     assert not [n for n in found if n.endswith(".submod")]  # an instance attribute no inventory records: no row
-    assert data["counts"]["unresolved"] == 2 and data["exit"] == 1
+    assert data["counts"]["unresolved"] == 1 and data["exit"] == 1
 
 
 def test_the_same_code_is_clean_on_2_13():

@@ -29,6 +29,8 @@ Environment:
   TORCHPATCH_<ID>=0|1         one patch off/on, e.g. TORCHPATCH_PROCESSGROUP_DEEPCOPY=0
   TORCHPATCH_STRICT=1         a patch that fails while applying raises instead of being skipped
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
+  TORCHPATCH_REPORT=DIR       at exit, each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json:
+                              its rank, versions, each patch's status (and error), what it used
 
 Did it act? A process in which torchpatch activated prints one line when it exits, e.g.
 `torchpatch: 0.1.0 on torch 2.4.1, Python 3.11.7: applied ...`; no line means it did not act
@@ -213,6 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--problems", action="store_true", help="show only the unresolved, guarded and unknown rows")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")
     p.set_defaults(func=cmd_check)
+    from ._explain import register as register_explain
+
+    register_explain(sub)
     return parser
 
 

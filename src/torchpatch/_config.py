@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from ._patch import Patch
 
 RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG",
+            "TORCHPATCH_REPORT",
             "TORCHPATCH_CHECK_TIMEOUT")  # the last one is read by `torchpatch check`, not at run time
 LOG_LEVELS = ("debug", "info", "warning", "off")
 
@@ -31,6 +32,7 @@ class Config:
     switches: Dict[str, bool] = field(default_factory=dict)  # TORCHPATCH_<ID> -> on/off
     strict: bool = False
     log_level: str = "info"
+    report_dir: str = ""  # TORCHPATCH_REPORT: where each process writes its report at exit ("": none)
     warnings: List[str] = field(default_factory=list)
 
     @classmethod
@@ -49,6 +51,7 @@ class Config:
             cfg.warnings.append(f"ignoring TORCHPATCH_LOG={level!r}: use one of {', '.join(LOG_LEVELS)}")
             level = "info"
         cfg.log_level = level
+        cfg.report_dir = environ.get("TORCHPATCH_REPORT", "").strip()
         for name, value in environ.items():
             if name.startswith("TORCHPATCH_") and name not in RESERVED:
                 flag = cfg._flag(name, value)

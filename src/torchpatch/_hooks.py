@@ -9,7 +9,8 @@
 Every module the shim finder serves is reported, with the action that takes it back, to the
 ``record`` it was registered with (see ``_record``): its ``sys.modules`` entry, the attribute
 importlib sets on its parent package, an alias package's registration and the children served under
-it. A real module served under another name keeps its own ``__spec__`` and ``__loader__``.
+it. A real module served under another name keeps its own ``__spec__`` and ``__loader__``. Each
+module it serves is also noted, once, in :attr:`ShimFinder.served` (what the process used).
 
 The finders and loaders implement the import protocols without deriving from ``importlib.abc``,
 whose import alone costs milliseconds at every start-up.
@@ -160,10 +161,11 @@ def _forget(name: str, module: ModuleType) -> Callable[[], None]:
 class _ShimLoader:
     """Builds a fresh shim module, or hands out an existing module under another name (alias)."""
 
-    def __init__(self, record: Record, build: Optional[ModuleCallback] = None,
+    def __init__(self, record: Record, served: Dict[str, Tuple[str, str]], build: Optional[ModuleCallback] = None,
                  resolve: Optional[Callable[[], ModuleType]] = None,
                  packages: Optional[Dict[str, Tuple[str, Record]]] = None) -> None:
         self._record = record
+        self._served = served
         self._build = build
         self._resolve = resolve
         self._packages = packages
@@ -192,9 +194,11 @@ class _ShimLoader:
                     else:
                         setattr(module, key, value)
             _keep_parent_attribute(alias, module)
+            self._served.setdefault(alias, (self._record.owner, module.__name__))
         elif self._build is not None:
             self._record.add(_forget(module.__name__, module))
             self._build(module)
+            self._served.setdefault(module.__name__, (self._record.owner, ""))
 
 
 def _keep_parent_attribute(alias: str, module: ModuleType) -> None:
@@ -235,6 +239,9 @@ class ShimFinder:
         self.shims: Dict[str, Tuple[ModuleCallback, Record]] = {}
         self.aliases: Dict[str, Tuple[Callable[[], ModuleType], Record]] = {}
         self.alias_packages = alias_packages if alias_packages is not None else {}
+        # Module name -> (owner of its record, the real module's name for an alias else ""): every
+        # module served so far, noted once when it is loaded (later imports find it in sys.modules).
+        self.served: Dict[str, Tuple[str, str]] = {}
 
     def add_shim(self, name: str, build: ModuleCallback, record: Record) -> None:
         """Serve module ``name``, where no other finder finds it, as a new module ``build`` fills."""
@@ -250,9 +257,9 @@ class ShimFinder:
         shim = self.shims.get(fullname)
         alias = None if shim is not None else self.aliases.get(fullname)  # a built shim wins
         if shim is not None:
-            loader = _ShimLoader(shim[1], build=shim[0])
+            loader = _ShimLoader(shim[1], self.served, build=shim[0])
         elif alias is not None:
-            loader = _ShimLoader(alias[1], resolve=alias[0], packages=self.alias_packages)
+            loader = _ShimLoader(alias[1], self.served, resolve=alias[0], packages=self.alias_packages)
         else:
             return None
         prefix = fullname + "."

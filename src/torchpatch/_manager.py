@@ -7,6 +7,7 @@ import importlib
 import os
 import sys
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from types import ModuleType
@@ -102,6 +103,9 @@ class _Installation:
         self.symbols = SymbolServer()
         self.journal = Journal()
         self.status: Dict[str, str] = {}
+        self.errors: Dict[str, str] = {}  # patch id -> why it failed
+        self.symbols_used: Dict[str, str] = {}  # "module.name" -> patch id: served symbols made so far
+        self.started = time.time()
         self.needed_by: Dict[str, List[str]] = {}  # patch id -> armed patches that require it
         self.runs: List[_HookRun] = []
         self.reloading: Dict[str, List[_HookRun]] = {}  # module name -> runs to do again after its body
@@ -115,6 +119,7 @@ class _Installation:
         self._take_back(patch.id)
         if first:
             self.status[patch.id] = FAILED
+            self.errors[patch.id] = f"while applying to {where}: {type(exc).__name__}: {exc}"
             message = f"patch {patch.id} failed while applying to {where} ({type(exc).__name__}: {exc})"
             if self.cfg.strict:
                 log.error("%s", message)
@@ -129,6 +134,7 @@ class _Installation:
             if self.status.get(dependent) != FAILED:
                 self._take_back(dependent)
                 self.status[dependent] = FAILED
+                self.errors[dependent] = f"requires {failed}, which failed"
                 log.warning("patch %s was taken back: it requires %s, which failed", dependent, failed)
                 self._fail_dependents(dependent)
 
@@ -203,9 +209,12 @@ class _Installation:
         def make() -> Any:
             if self._live(patch):
                 try:
-                    return factory()
+                    value = factory()
                 except Exception as exc:
                     self._fail(patch, f"{module}.{name}", exc)
+                else:
+                    self.symbols_used.setdefault(f"{module}.{name}", patch.id)
+                    return value
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
         return make
@@ -351,6 +360,10 @@ def install(environ: Optional[Mapping[str, str]] = None) -> None:
         if _job is None:
             _job = JobSummary()
         atexit.register(_log_summary)
+        if cfg.report_dir:
+            from . import _report
+
+            _report.arm(inst)
 
 
 def uninstall() -> None:

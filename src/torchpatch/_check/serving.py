@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Sequence, Set, Tuple
 
 from .. import _versions
-from .._config import Config, decide
+from .._config import Config, Decision, decide
 from .._manager import _applicability
 from .._patch import Patch
 
@@ -26,6 +26,7 @@ class Serving:
     symbols: Dict[Tuple[str, str], str] = field(default_factory=dict)  # (module, name) -> patch id
     off: Dict[str, str] = field(default_factory=dict)  # name a switched-off patch would serve -> why
     declared: Set[str] = field(default_factory=set)  # modules with at least one name in ``symbols``
+    decisions: Dict[str, Decision] = field(default_factory=dict)  # patch id -> on/off and why (applying ones)
 
     @classmethod
     def for_torch(cls, version: str, patches: Sequence[Patch], cfg: Config) -> "Serving":
@@ -35,6 +36,7 @@ class Serving:
         for p in patches:
             if not applicability[p.id][0]:
                 continue
+            out.decisions[p.id] = decisions[p.id]
             on = decisions[p.id].enabled
             symbols = list(p.symbols) + [(m, n) for m, n, spec in p.hook_symbols if _versions.matches(spec, version)]
             served = list(p.modules) + [n for n, _t, spec in p.aliases if _versions.matches(spec, version)]
