@@ -153,7 +153,7 @@ def test_a_traceback_from_standard_input():
 @pytest.mark.parametrize("args, error, choices", [
     (["what is this?"], "cannot tell which name 'what is this?' is about; give an error message or a dotted name",
      SIX),
-    ([DOTTED, "--torch", "2"], "--torch '2': give X.Y (the newest release of that minor) or X.Y.Z",
+    ([DOTTED, "--torch", "2"], "--torch '2' is ambiguous: name a minor, X.Y (its newest release), or a release, X.Y.Z",
      "inventoried 1.13.1, 2.0.1, 2.1.2"),
     ([DOTTED, "--torch", "9.9.9"], "torch 9.9.9 is neither installed nor inventoried", "inventoried 1.13.1, 2.0.1, 2.1.2"),
 ])
