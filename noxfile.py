@@ -3,7 +3,8 @@
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
     nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
                           # with torchtitan's releases where CI tries them (tests/test_torchtitan.py),
-                          # and torchtitan's newer releases on torch 2.13.0 (the torchtitan-on-2.13 session)
+                          # and torchtitan's newer releases on torch 2.13.0 (the torchtitan-on-2.13 session),
+                          # and Ray Train, accelerate and DeepSpeed's launchers on 2.13.0 (the launchers session)
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -58,6 +59,12 @@ TORCHTITAN_DEPS = ["datasets>=3.6,<4.8", "tokenizers", "tiktoken", "blobfile", "
                    "tensorboard", "einops", "pillow", "safetensors", "wandb"]
 TORCHTITAN_NO_DEPS = ["torchdata", "spmd_types==0.2.3", "torch_checkpointing"]
 
+# The launchers beyond torchrun that tests/test_launchers.py runs (the launchers session), on the
+# default torch. DeepSpeed is an sdist, built without its ops (its default): it JIT-compiles its CPU
+# shared-memory op at the first init_distributed (about a minute), into TORCH_EXTENSIONS_DIR, which
+# the session keeps in its venv.
+LAUNCHERS = ["ray[train]==2.60.0", "accelerate==1.15.0", "deepspeed==0.19.8"]
+
 _wheel: list[str] = []
 
 
@@ -84,13 +91,13 @@ def _install_torchtitan(session: nox.Session, releases: list[str]) -> str:
 
 
 def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra: tuple[str, ...] = (),
-               tests: tuple[str, ...] = ("tests",)) -> None:
+               tests: tuple[str, ...] = ("tests",), env: dict[str, str] | None = None) -> None:
     pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
     session.install(f"torch=={torch}", *MATRIX[torch], *extra, env=pip_env)
     wheel = _build_wheel(session)
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
-    env = {"TORCHPATCH_EXPECT_TORCH": torch}
+    env = {"TORCHPATCH_EXPECT_TORCH": torch, **(env or {})}
     releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
     if releases:
         env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)
@@ -115,3 +122,11 @@ def matrix(session: nox.Session, torch: str) -> None:
 def torchtitan_on_default_torch(session: nox.Session) -> None:
     """torchtitan 0.2.2 and 0.3.0 on torch 2.13.0 (with Triton): tests/test_torchtitan.py."""
     _run_suite(session, DEFAULT_TORCH, torchtitan=True, extra=(TORCHTITAN_TRITON,), tests=("tests/test_torchtitan.py",))
+
+
+@nox.session(tags=["matrix"])
+def launchers(session: nox.Session) -> None:
+    """Ray Train, accelerate launch and the DeepSpeed launcher on torch 2.13.0: tests/test_launchers.py,
+    which fails (instead of skipping) where one is missing."""
+    env = {"LAUNCHERS_REQUIRED": "1", "TORCH_EXTENSIONS_DIR": os.path.join(session.virtualenv.location, "torch_extensions")}
+    _run_suite(session, DEFAULT_TORCH, extra=tuple(LAUNCHERS), tests=("tests/test_launchers.py",), env=env)
