@@ -73,7 +73,8 @@ from ray.train import RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
 out, storage, env_vars = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env_vars})
+ray.init(address="local", num_cpus=2, include_dashboard=False,  # a Ray of its own, not one running here
+         runtime_env={"env_vars": env_vars})
 trainer = TorchTrainer(lambda config: ema_job(out), scaling_config=ScalingConfig(num_workers=2, use_gpu=False),
                        run_config=RunConfig(storage_path=storage, name="ema"))
 trainer.fit()
@@ -192,7 +193,7 @@ def ray_cmd(script: Path, tmp_path: Path, env_vars: Dict[str, str]) -> List[str]
 
 def ray_env() -> Dict[str, str]:
     """The driver's environment: no TORCHPATCH, so that only runtime_env can reach the workers."""
-    return clean_env(RAY_USAGE_STATS_ENABLED="0")
+    return clean_env(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=None)
 
 
 def test_ray_train_native_failure(tmp_path):
