@@ -187,6 +187,29 @@ def test_deepspeed_launcher_every_worker_patched(tmp_path):
     assert_reported(proc, tmp_path / "reports", launchers=2)  # the deepspeed runner and deepspeed.launcher.launch
 
 
+
+def test_deepspeed_two_nodes_without_ssh(tmp_path):
+    """Multi-node as a scheduler runs it: one runner per node (``--no_ssh --node_rank N``, a hostfile
+    naming both nodes), each starting its node's worker; here both nodes are this machine."""
+    need("deepspeed")
+    script = job_script(tmp_path, DEEPSPEED_MAIN)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    port = free_port()
+    env = deepspeed_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports"))
+    runners = [subprocess.Popen([str(c) for c in [BIN / "deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", node,
+                                                  "--master_addr", "127.0.0.1", "--master_port", port, script, tmp_path / "out"]],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
+    try:
+        outs = [r.communicate(timeout=600) for r in runners]
+    finally:
+        for r in runners:
+            r.kill()
+    proc = subprocess.CompletedProcess("deepspeed", max(r.returncode for r in runners),
+                                       "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    assert_every_worker_patched(proc, tmp_path)
+    assert_reported(proc, tmp_path / "reports", launchers=4)  # each node's runner and launch
+
 def ray_cmd(script: Path, tmp_path: Path, env_vars: Dict[str, str]) -> List[str]:
     return [sys.executable, script, tmp_path / "out", tmp_path / "ray_results", json.dumps(env_vars)]
 
