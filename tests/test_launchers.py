@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -96,8 +96,19 @@ def job_script(tmp_path: Path, main: str) -> Path:
     return path
 
 
-def run(cmd: List[str], env: Dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([str(c) for c in cmd], env=env, capture_output=True, text=True, timeout=timeout)
+def run(env: Dict[str, str], *cmds: List[Any], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run the commands side by side (a launcher, or one per node): the first non-zero exit status, and
+    their output joined."""
+    procs = [subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for cmd in cmds]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    status = next((p.returncode for p in procs if p.returncode), 0)
+    return subprocess.CompletedProcess([str(c) for c in cmds[0]], status, "".join(out for out, _ in outs),
+                                       "".join(err for _, err in outs))
 
 
 def workers(tmp_path: Path) -> List[dict]:
@@ -137,7 +148,7 @@ def assert_reported(proc: subprocess.CompletedProcess, report_dir: Path, launche
     assert len(summaries) == 1 and "processgroup-deepcopy" in summaries[0], summaries
 
 
-def accelerate_cmd(script: Path, tmp_path: Path) -> List[str]:
+def accelerate_cmd(script: Path, tmp_path: Path) -> List[Any]:
     # --multi_gpu on a machine without GPUs: 2 torchrun workers that accelerate runs as MULTI_CPU on
     # gloo. (--cpu --num_processes 2 starts one process: accelerate's multi-CPU launch is mpirun's.)
     return [BIN / "accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
@@ -152,19 +163,19 @@ def accelerate_env(tmp_path: Path, **extra: Optional[str]) -> Dict[str, str]:
 def test_accelerate_launch_native_failure(tmp_path):
     need("accelerate")
     script = job_script(tmp_path, ACCELERATE_MAIN)
-    assert_failed_natively(run(accelerate_cmd(script, tmp_path), accelerate_env(tmp_path)), tmp_path)
+    assert_failed_natively(run(accelerate_env(tmp_path), accelerate_cmd(script, tmp_path)), tmp_path)
 
 
 def test_accelerate_launch_every_worker_patched(tmp_path):
     need("accelerate")
     script = job_script(tmp_path, ACCELERATE_MAIN)
     env = accelerate_env(tmp_path, TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports"))
-    proc = run(accelerate_cmd(script, tmp_path), env)
+    proc = run(env, accelerate_cmd(script, tmp_path))
     assert_every_worker_patched(proc, tmp_path)
     assert_reported(proc, tmp_path / "reports", launchers=1)  # the accelerate CLI runs torchrun in-process
 
 
-def deepspeed_cmd(script: Path, tmp_path: Path) -> List[str]:
+def deepspeed_cmd(script: Path, tmp_path: Path) -> List[Any]:
     # The CPU accelerator counts one device per NUMA node; --num_gpus 2 asks for 2 processes anyway.
     return [BIN / "deepspeed", "--num_gpus", "2", "--master_port", str(free_port()), script, tmp_path / "out"]
 
@@ -176,16 +187,16 @@ def deepspeed_env(**extra: Optional[str]) -> Dict[str, str]:
 def test_deepspeed_launcher_native_failure(tmp_path):
     need("deepspeed")
     script = job_script(tmp_path, DEEPSPEED_MAIN)
-    assert_failed_natively(run(deepspeed_cmd(script, tmp_path), deepspeed_env()), tmp_path)
+    assert_failed_natively(run(deepspeed_env(), deepspeed_cmd(script, tmp_path)), tmp_path)
 
 
 def test_deepspeed_launcher_every_worker_patched(tmp_path):
     need("deepspeed")
     script = job_script(tmp_path, DEEPSPEED_MAIN)
-    proc = run(deepspeed_cmd(script, tmp_path), deepspeed_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports")))
+    env = deepspeed_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports"))
+    proc = run(env, deepspeed_cmd(script, tmp_path))
     assert_every_worker_patched(proc, tmp_path)
     assert_reported(proc, tmp_path / "reports", launchers=2)  # the deepspeed runner and deepspeed.launcher.launch
-
 
 
 def test_deepspeed_two_nodes_without_ssh(tmp_path):
@@ -195,22 +206,15 @@ def test_deepspeed_two_nodes_without_ssh(tmp_path):
     script = job_script(tmp_path, DEEPSPEED_MAIN)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
-    port = free_port()
-    env = deepspeed_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports"))
-    runners = [subprocess.Popen([str(c) for c in [BIN / "deepspeed", "--hostfile", hostfile, "--no_ssh", "--node_rank", node,
-                                                  "--master_addr", "127.0.0.1", "--master_port", port, script, tmp_path / "out"]],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in range(2)]
-    try:
-        outs = [r.communicate(timeout=600) for r in runners]
-    finally:
-        for r in runners:
-            r.kill()
-    proc = subprocess.CompletedProcess("deepspeed", max(r.returncode for r in runners),
-                                       "".join(o for o, _ in outs), "".join(e for _, e in outs))
+    runner = [BIN / "deepspeed", "--hostfile", hostfile, "--no_ssh", "--master_addr", "127.0.0.1",
+              "--master_port", free_port()]
+    proc = run(deepspeed_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path / "reports")),
+               *[runner + ["--node_rank", node, script, tmp_path / "out"] for node in range(2)])
     assert_every_worker_patched(proc, tmp_path)
     assert_reported(proc, tmp_path / "reports", launchers=4)  # each node's runner and launch
 
-def ray_cmd(script: Path, tmp_path: Path, env_vars: Dict[str, str]) -> List[str]:
+
+def ray_cmd(script: Path, tmp_path: Path, env_vars: Dict[str, str]) -> List[Any]:
     return [sys.executable, script, tmp_path / "out", tmp_path / "ray_results", json.dumps(env_vars)]
 
 
@@ -222,14 +226,14 @@ def ray_env() -> Dict[str, str]:
 def test_ray_train_native_failure(tmp_path):
     need("ray.train.torch")
     script = job_script(tmp_path, RAY_MAIN)
-    assert_failed_natively(run(ray_cmd(script, tmp_path, {}), ray_env()), tmp_path)
+    assert_failed_natively(run(ray_env(), ray_cmd(script, tmp_path, {})), tmp_path)
 
 
 def test_ray_train_every_worker_patched_through_runtime_env(tmp_path):
     need("ray.train.torch")
     script = job_script(tmp_path, RAY_MAIN)
     env_vars = {"TORCHPATCH": "1", "TORCHPATCH_REPORT": str(tmp_path / "reports")}
-    proc = run(ray_cmd(script, tmp_path, env_vars), ray_env())
+    proc = run(ray_env(), ray_cmd(script, tmp_path, env_vars))
     assert_every_worker_patched(proc, tmp_path)
     # Ray Train ends its workers with ray.kill, which skips Python's exit handlers: no worker writes
     # a report or a summary line (the README says to read torchpatch.status() in the job instead).
