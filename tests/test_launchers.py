@@ -57,7 +57,8 @@ def ema_job(out):
 
 ACCELERATE_MAIN = """
 from accelerate import Accelerator
-Accelerator(cpu=True)  # initialises the default group (gloo on CPU)
+accelerator = Accelerator(cpu=True)  # initialises the default group
+assert (accelerator.distributed_type, dist.get_backend()) == ("MULTI_CPU", "gloo"), accelerator.distributed_type
 ema_job(sys.argv[1])
 """
 
