@@ -22,7 +22,10 @@ Fix:           where the dispatcher has no Autograd kernel for them, register th
                wait_tensor waits below autograd and returns its input, as the op does; and the AsyncCollectiveTensor of an output that requires
                grad is made with torch's own ``_FromTorchTensor`` (identity backward), as torch's
                ``*_autograd`` variants and 2.13's ``_wrap_tensor_autograd`` do. Kernels are
-               registered on a Library fragment that undo destroys.
+               registered on a Library fragment that undo destroys. Not fixed: torch 2.4's
+               ``all_gather_tensor`` of a tensor that requires grad fails on gloo on one rank only
+               ("A view was created in no_grad mode ..."), natively and with the patch; as any
+               exception in one rank's forward, it ends the job (the peer's backward cannot match).
 Upstream:      https://github.com/pytorch/pytorch/pull/168140 (fixes
                https://github.com/pytorch/pytorch/issues/152131; the silent-gradient report:
                https://github.com/pytorch/pytorch/issues/152127)

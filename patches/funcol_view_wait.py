@@ -70,7 +70,19 @@ def _has_legacy_registry(impl: ModuleType) -> bool:
 
 def _offset_view_waits(funcol: ModuleType, impl: ModuleType) -> Optional[bool]:
     """Behaviour check on a stand-in Work: None when ``wait_tensor`` does not go through the legacy
-    registry (native functional collectives), else whether using ``result[1]`` waits."""
+    registry (native functional collectives), else whether using ``result[1]`` waits. Leaves the
+    module as it found it: its registration counter and its warnings registry."""
+    version, had_registry = getattr(impl, "work_version", None), "__warningregistry__" in vars(impl)
+    try:
+        return _ask(funcol, impl)
+    finally:
+        if version is not None:
+            impl.work_version = version
+        if not had_registry:
+            vars(impl).pop("__warningregistry__", None)
+
+
+def _ask(funcol: ModuleType, impl: ModuleType) -> Optional[bool]:
     import torch
 
     def stand_in() -> Tuple["torch.Tensor", _ProbeWork, Any]:

@@ -133,6 +133,7 @@ if "_get_init_p2p_neighbors_ops" in vars(_PipelineStageBase):
     _PipelineStageBase._get_init_p2p_neighbors_ops = _gloo_init_ops
 """
 
+
 def run_ranks(script: str, *, nproc: int = 2, env: Optional[Dict[str, str]] = None, tmp_path: Path,
               launcher: str = "auto", timeout: float = 240) -> subprocess.CompletedProcess:
     """Run ``script`` (source text) as ``nproc`` ranks on loopback/gloo; one combined result.

@@ -200,9 +200,14 @@ def outcome(run, F, want):
 
 impls = {"module": {n: getattr(module, n, None) for n in FUNCTIONS}, "torchpatch": FUNCTIONS}
 served = sorted(n for n, fn in impls["module"].items() if fn is FUNCTIONS[n])
-# torch's own functions skip the "shim" cases (torch 2.4.1 even segfaults gathering a 0-d tensor on gloo)
+# torch's own functions skip the "shim" cases (torch 2.4.1 even segfaults gathering a 0-d tensor on gloo).
+# torch 2.4's all_gather_tensor of a tensor that requires grad fails on gloo on one rank only ("A view
+# was created in no_grad mode ..."); with a backward formula (funcol-autograd) the other rank runs the
+# backward's collective alone and the ranks fall out of step, so torch 2.4's own all_gather skips it.
+one_sided = {"grad_all_gather"} if torch.__version__.startswith("2.4.") else set()
 mine = {impl: {name: outcome(run, F, want[impl] if isinstance(want, dict) else want) for name, tag, fns, run, want in cases
-               if impl == "torchpatch" or tag != "shim" or set(fns) <= set(served)}
+               if (impl == "torchpatch" or tag != "shim" or set(fns) <= set(served))
+               and not (impl == "module" and name in one_sided)}
         for impl, F in impls.items()}
 every = [None] * G
 dist.all_gather_object(every, mine)
@@ -272,12 +277,11 @@ def test_missing_members_served_next_to_torch_ones(served_run):
 @only_torch(">=2.4", "torch has all ten functions")
 def test_native_functions_match_the_references(served_run):
     # The module is torch's: the same references hold for it. 2.13 also runs avg on gloo and has
-    # autograd (the "new" cases); the "shim" cases are torchpatch's extensions.
+    # autograd (the "new" cases); the "shim" cases are torchpatch's extensions. (torch 2.4's gloo
+    # reduce_scatter sums whatever the op: right here through gloo-reduce-scatter-op.)
     assert served_run["served"] == [] and served_run["whole_module"] is None
     tags = ("core", "new") if torch_matches(">=2.13") else ("core",)
     out = failures(served_run, "module", lambda name: served_run["tags"][name] in tags)
-    if torch_matches(">=2.4,<2.5"):  # torch 2.4's gloo reduce_scatter sums whatever the op: a torch bug
-        assert ": got " in out.pop("reduce_scatter_max")
     assert out == {}
 
 
