@@ -22,24 +22,29 @@ Fix:           where the dispatcher has no Autograd kernel for them, register th
                wait_tensor waits below autograd and returns its input, as the op does; and the AsyncCollectiveTensor of an output that requires
                grad is made with torch's own ``_FromTorchTensor`` (identity backward), as torch's
                ``*_autograd`` variants and 2.13's ``_wrap_tensor_autograd`` do. Kernels are
-               registered on a Library fragment that undo destroys. Not fixed: torch 2.4's
-               ``all_gather_tensor`` of a tensor that requires grad fails on gloo on one rank only
-               ("A view was created in no_grad mode ..."), natively and with the patch; as any
-               exception in one rank's forward, it ends the job (the peer's backward cannot match).
+               registered on a Library fragment that undo destroys. The coalesced ops
+               (``all_reduce_coalesced``, ``all_gather_into_tensor_coalesced``,
+               ``reduce_scatter_tensor_coalesced``) get 2.13's formulas too: each gradient goes
+               through the coalesced op of the backward. A CPU collective whose input requires
+               grad is waited for before its output joins the graph: gloo's worker thread copies
+               the result into the output (torch 2.4's all_gather into views of it), and that copy
+               must not land on a tensor autograd already tracks. Natively torch 2.4 refuses it on
+               whichever rank's copy came late ("A view was created in no_grad mode ..."), so one
+               rank ran the backward's collective alone and gloo aborted.
 Upstream:      https://github.com/pytorch/pytorch/pull/168140 (fixes
                https://github.com/pytorch/pytorch/issues/152131; the silent-gradient report:
                https://github.com/pytorch/pytorch/issues/152127)
 """
 
 from types import ModuleType
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="funcol-autograd",
     summary="functional collectives differentiable (all_reduce sum, all_gather, reduce_scatter sum, "
-            "all_to_all_single) as in torch 2.13, torch 2.4-2.12",
+            "all_to_all_single, their coalesced forms) as in torch 2.13, torch 2.4-2.12",
     torch=">=2.4,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/168140",
     behaviour="gradients of _c10d_functional collectives",
@@ -100,6 +105,46 @@ def _all_to_all_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
     return _waited(back), None, None, None
 
 
+def _all_reduce_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None]:
+    if ctx.reduce_op.lower() != "sum":
+        raise RuntimeError(f"all_reduce_coalesced backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    summed = _ops().all_reduce_coalesced([g.contiguous() for g in grads], "sum", ctx.group_name)
+    return [_waited(t) for t in summed], None, None
+
+
+def _all_gather_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None]:
+    scattered = _ops().reduce_scatter_tensor_coalesced([g.contiguous() for g in grads], "sum", ctx.group_size,
+                                                       ctx.group_name)
+    return [_waited(t) for t in scattered], None, None
+
+
+def _reduce_scatter_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None, None]:
+    if ctx.reduce_op.lower() != "sum":
+        raise RuntimeError(
+            f"reduce_scatter_tensor_coalesced backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    gathered = _ops().all_gather_into_tensor_coalesced([g.contiguous() for g in grads], ctx.group_size, ctx.group_name)
+    return [_waited(t) for t in gathered], None, None, None
+
+
+def _settled(setup: Callable[[Any, Tuple[Any, ...], Any], None]) -> Callable[[Any, Tuple[Any, ...], Any], None]:
+    """``setup``, then, for a CPU collective whose input requires grad, a wait for its result.
+
+    It runs inside the op's autograd Function, after the collective started and before the output
+    is attached to the graph: gloo's worker thread then finishes writing the output while autograd
+    does not track it yet (later, torch 2.4 refuses the copy into views of the gathered output, or
+    an in-place copy would move the output's grad_fn). Without grad, or on CUDA, nothing waits.
+    """
+
+    def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
+        setup(ctx, inputs, output)
+        outputs = output if isinstance(output, (list, tuple)) else [output]
+        if any(ctx.needs_input_grad) and all(t.device.type == "cpu" for t in outputs):
+            for tensor in outputs:
+                _ops().wait_tensor(tensor)  # below autograd here: the op's own kernel
+
+    return setup_context
+
+
 def _wait_autograd(tensor: Any) -> Any:
     """wait_tensor's Autograd kernel: wait below autograd and without grad, hand back the input
     itself (the op returns its argument), so the gradient passes unchanged through the graph
@@ -117,6 +162,9 @@ _FORMULAS = {
     "all_gather_into_tensor": (_all_gather_backward, _all_gather_setup),
     "reduce_scatter_tensor": (_reduce_scatter_backward, _reduce_scatter_setup),
     "all_to_all_single": (_all_to_all_backward, _all_to_all_setup),
+    "all_reduce_coalesced": (_all_reduce_coalesced_backward, _all_reduce_setup),
+    "all_gather_into_tensor_coalesced": (_all_gather_coalesced_backward, _all_gather_setup),
+    "reduce_scatter_tensor_coalesced": (_reduce_scatter_coalesced_backward, _reduce_scatter_setup),
 }
 
 
@@ -152,6 +200,6 @@ def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
             lib.impl(name, _wait_autograd, "Autograd")
         else:
             backward, setup = _FORMULAS[name]
-            register(f"{_NS}::{name}", backward, setup_context=setup, lib=lib)
+            register(f"{_NS}::{name}", backward, setup_context=_settled(setup), lib=lib)
     patcher.wrap(funcol, "_maybe_wrap_tensor", _connected_wrap)
     return True

@@ -232,8 +232,8 @@ def run(tmp_path):
         }
         assert rank_out["names"] == ["0", "1", str(2 + rank)]  # default group, then new_group order
         assert rank_out["save_list_is_op_overloads"] is True
-        if torch_matches("<2.2") or torch_matches(">=2.13"):  # torch 2.4 and 2.9 define no gradients for these ops
-            assert rank_out["grads"] == EXPECTED_GRADS, rank_out["grads"]
+        # torch 2.13's gradients: served with the ops on 2.1, funcol-autograd's on 2.4-2.12, native from 2.13
+        assert rank_out["grads"] == EXPECTED_GRADS, rank_out["grads"]
     return every[0]
 
 

@@ -8,9 +8,13 @@ each rank its own weights back, reduce_scatter zeros for the chunks it did not k
 all_to_all_single with uneven splits and an all_reduce used without ``.wait()`` leave ``x.grad``
 None; with TORCHPATCH=1 all are right, forward values unchanged, and a backward through
 all_reduce("max") raises as in torch 2.13. On 2.13, 2.14 and 2.15 torch is right by itself and
-the patch is not applied. all_gather_tensor (gather_dim 0 and 1) is checked, where fixed, from
-torch 2.9: unfixed it raises (loudly) on some ranks, and on 2.4 gloo's all_gather of a tensor that
-requires grad raises with or without the patch.
+the patch is not applied. The coalesced all_reduce is checked the same way.
+all_gather_tensor (gather_dim 0 and 1) is checked only where fixed: unfixed it raises (loudly) on
+some ranks (torch 2.4's gloo all_gather of a tensor that requires grad, on whichever rank's result
+arrived after autograd took the output; the patch waits first, on CPU). test_patch_c10d_functional_ops
+checks every op's gradient, the other coalesced ops included, against torch 2.13's (through
+``torch.ops``: torch 2.13-2.15's own funcol.reduce_scatter_tensor_coalesced refuses its backward,
+"Output 0 of GeneratedBackwardFor__c10d_functional_wait_tensor_default is a view ...").
 """
 
 import pytest
@@ -67,10 +71,17 @@ g = grad_of(x, (v[rank] * y).sum())
 out["all_to_all"] = g is not None and torch.equal(
     g, torch.cat([v[d].split([S[s][d] for s in range(world)])[rank] for d in range(world)]))
 
+# the coalesced all_reduce of two tensors (each weighted per rank)
+xs = [rand(rank, 4).requires_grad_(), rand(10 + rank, 2 * world, 2).requires_grad_()]
+ys = [waited(t) for t in funcol.all_reduce_coalesced(xs, "sum", G)]
+(rand(600 + rank, 4) * ys[0]).sum().add((rand(610 + rank, 2 * world, 2) * ys[1]).sum()).backward()
+out["all_reduce_coalesced"] = all(x.grad is not None for x in xs) and torch.equal(
+    xs[0].grad, sum(rand(600 + k, 4) for k in range(world))) and torch.equal(
+    xs[1].grad, sum(rand(610 + k, 2 * world, 2) for k in range(world)))
 import torchpatch
 version = tuple(int(p) for p in torch.__version__.split(".")[:2])
 fixed = version >= (2, 13) or torchpatch.status().get("funcol-autograd") == "applied"
-if version >= (2, 9) and fixed:  # unfixed, a gradient through all_gather raises (on some ranks)
+if fixed:  # unfixed, a gradient through all_gather raises (on some ranks)
     for dim in (0, 1):
         x = rand(rank, 2, 3).requires_grad_()
         y = waited(funcol.all_gather_tensor(x, dim, G))
@@ -98,7 +109,8 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 RIGHT = {"all_reduce_value": True, "all_reduce": True, "all_reduce_no_wait": True, "reduce_scatter_value": True,
-         "reduce_scatter": True, "all_to_all_value": True, "all_to_all": True}
+         "reduce_scatter": True, "all_to_all_value": True, "all_to_all": True, "all_reduce_coalesced": True,
+         "all_gather_dim0": True, "all_gather_dim1": True}
 
 
 @only_torch(">=2.4,<2.13", "no autograd formulas for _c10d_functional ops")
@@ -108,7 +120,8 @@ def test_native_gradients_are_wrong(env, tmp_path):
         assert out["status"] is None
         # the forward values are right; every gradient is wrong or missing
         assert [out[k] for k in ("all_reduce_value", "reduce_scatter_value", "all_to_all_value")] == [True] * 3, out
-        assert [out[k] for k in ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all")] == [False] * 4, out
+        wrong = ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all", "all_reduce_coalesced")
+        assert [out[k] for k in wrong] == [False] * len(wrong), out
 
 
 @only_torch(">=2.4", "torch.library.register_autograd arrived in 2.4")
@@ -119,5 +132,4 @@ def test_gradients(tmp_path):
         max_backward = out.pop("max_backward")
         if torch_matches("<2.14"):  # torch 2.14 differentiates "avg", 2.15 "max" too
             assert max_backward == "all_reduce backward only supports 'sum' reduction, got 'max'"
-        gather = {f"all_gather_dim{d}": True for d in (0, 1)} if torch_matches(">=2.9") else {}
-        assert out == dict(RIGHT, **gather), out
+        assert out == RIGHT, out

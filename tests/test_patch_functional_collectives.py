@@ -200,14 +200,9 @@ def outcome(run, F, want):
 
 impls = {"module": {n: getattr(module, n, None) for n in FUNCTIONS}, "torchpatch": FUNCTIONS}
 served = sorted(n for n, fn in impls["module"].items() if fn is FUNCTIONS[n])
-# torch's own functions skip the "shim" cases (torch 2.4.1 even segfaults gathering a 0-d tensor on gloo).
-# torch 2.4's all_gather_tensor of a tensor that requires grad fails on gloo on one rank only ("A view
-# was created in no_grad mode ..."); with a backward formula (funcol-autograd) the other rank runs the
-# backward's collective alone and the ranks fall out of step, so torch 2.4's own all_gather skips it.
-one_sided = {"grad_all_gather"} if torch.__version__.startswith("2.4.") else set()
+# torch's own functions skip the "shim" cases (torch 2.4.1 even segfaults gathering a 0-d tensor on gloo)
 mine = {impl: {name: outcome(run, F, want[impl] if isinstance(want, dict) else want) for name, tag, fns, run, want in cases
-               if (impl == "torchpatch" or tag != "shim" or set(fns) <= set(served))
-               and not (impl == "module" and name in one_sided)}
+               if impl == "torchpatch" or tag != "shim" or set(fns) <= set(served)}
         for impl, F in impls.items()}
 every = [None] * G
 dist.all_gather_object(every, mine)
