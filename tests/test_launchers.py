@@ -3,8 +3,9 @@
 Each test runs the EMA-by-deepcopy job (a model that keeps a ProcessGroup, deep-copied) on 2 workers
 started by the launcher users run: natively every worker fails with ``TypeError: cannot pickle
 '...ProcessGroup' object``; with ``TORCHPATCH=1`` handed to the workers the launcher's way, every
-worker runs it, and says so in its ``TORCHPATCH_REPORT`` file (or, under Ray, whose workers end
-without Python's exit handlers, in ``torchpatch.status()`` read by the job).
+worker runs it, and says so in its ``TORCHPATCH_REPORT`` file (under Ray, whose workers end
+without Python's exit handlers, the one written when its patches settled) and in
+``torchpatch.status()`` read by the job.
 
 The launchers are heavy: each test skips where its package is missing (the quick suite), and the
 ``launchers`` nox session, which installs them, sets ``LAUNCHERS_REQUIRED=1`` to fail instead.
@@ -39,7 +40,7 @@ def ema_job(out):
     rank = dist.get_rank()
     model = nn.Linear(8, 8)
     model.sp_group = dist.new_group(list(range(dist.get_world_size())))  # as Open-Sora keeps its group
-    seen = {"rank": rank}
+    seen = {"rank": rank, "pid": os.getpid()}
     try:
         ema = copy.deepcopy(model)
         t = torch.full((2,), float(rank + 1))
@@ -132,7 +133,7 @@ def assert_failed_natively(proc: subprocess.CompletedProcess, tmp_path: Path) ->
 
 def assert_every_worker_patched(proc: subprocess.CompletedProcess, tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert workers(tmp_path) == [
+    assert [{k: v for k, v in w.items() if k != "pid"} for w in workers(tmp_path)] == [
         {"rank": r, "sum": [3.0, 3.0], "shares_group": True, "separate": True, "installed": True, "status": "applied"}
         for r in range(2)
     ]
@@ -236,6 +237,9 @@ def test_ray_train_every_worker_patched_through_runtime_env(tmp_path):
     env_vars = {"TORCHPATCH": "1", "TORCHPATCH_REPORT": str(tmp_path / "reports")}
     proc = run(ray_env(), ray_cmd(script, tmp_path, env_vars))
     assert_every_worker_patched(proc, tmp_path)
-    # Ray Train ends its workers with ray.kill, which skips Python's exit handlers: no worker writes
-    # a report or a summary line (the README says to read torchpatch.status() in the job instead).
-    assert [r for r in reports(tmp_path / "reports") if r["rank"] is not None] == []
+    # Ray Train ends its workers with ray.kill, which skips Python's exit handlers: no summary line,
+    # and each worker's report is the one it wrote when its patches settled ("complete": false).
+    by_pid = {r["pid"]: r for r in reports(tmp_path / "reports")}
+    for worker in workers(tmp_path):
+        report = by_pid[worker["pid"]]
+        assert (report["rank"], report["patches"]["processgroup-deepcopy"]) == (worker["rank"], {"status": "applied"})

@@ -1,4 +1,5 @@
-"""``TORCHPATCH_REPORT=DIR``: one JSON file per process that activated torchpatch, written at exit."""
+"""``TORCHPATCH_REPORT=DIR``: one JSON file per process that activated torchpatch, written at
+activation, when a patch settles, and at exit."""
 
 import json
 import re
@@ -30,7 +31,7 @@ if __name__ == "__main__":
         assert len(batches) == 2
 """
 FIELDS = {"torchpatch", "host", "pid", "parent_pid", "rank", "local_rank", "world_size", "argv", "executable",
-          "python", "torch", "activated", "written", "flags", "patches", "switched_off", "used"}
+          "python", "torch", "activated", "written", "complete", "flags", "patches", "switched_off", "used"}
 
 
 def reports(directory):
@@ -55,6 +56,7 @@ def test_one_report_per_process_of_a_torchrun_job(tmp_path):
         assert report["torch"] == TORCH and report["python"].startswith("3.") and report["torchpatch"] == "0.1.0"
         assert report["flags"]["TORCHPATCH_REPORT"] == str(out)
         assert report["switched_off"] == {"demo-shim": "in TORCHPATCH_DISABLE"}
+        assert report["complete"] is True  # written at exit
         assert "demo-shim" not in report["patches"]
     assert (agent["local_rank"], agent["world_size"]) == (None, None)
     assert [(r["rank"], r["local_rank"], r["world_size"]) for r in (rank0, rank1, worker)] == [(0, 0, 2), (1, 1, 2), (0, 0, 2)]
@@ -82,6 +84,28 @@ def test_served_modules_and_aliases_used(tmp_path):
         "tp_target.pkg_moved.sub": {"patch": "demo-shim", "alias_of": "tp_target.pkg.sub"},
     }  # not tp_target.missing, which the process never imported
     assert report["used"]["symbols"] == {} and report["rank"] is None
+
+
+def test_a_process_that_never_reaches_exit_leaves_its_report(tmp_path):
+    # os._exit skips atexit, as a signal or Ray's ray.kill does; RANK set after activation (as Ray
+    # Train's worker setup does) renames the one file
+    code = """
+import os, torch, tp_target
+assert tp_target.Served.origin == "torchpatch"
+os.environ["RANK"] = "3"
+try:
+    import tp_target.broken_target
+finally:
+    os._exit(0)
+"""
+    proc = run_py(code, env=plugin_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    ((name, report),) = reports(tmp_path).items()
+    assert name.endswith(f"-3-{report['pid']}.json") and report["rank"] == 3
+    assert report["complete"] is False
+    assert report["patches"]["demo-symbol"] == {"status": "applied"}
+    assert report["patches"]["demo-broken"]["status"] == "failed"
+    assert report["used"]["symbols"] == {"tp_target.Served": {"patch": "demo-symbol"}}
 
 
 def test_an_unwritable_directory_is_one_warning_and_never_an_error(tmp_path):

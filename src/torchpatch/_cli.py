@@ -29,8 +29,9 @@ Environment:
   TORCHPATCH_<ID>=0|1         one patch off/on, e.g. TORCHPATCH_PROCESSGROUP_DEEPCOPY=0
   TORCHPATCH_STRICT=1         a patch that fails while applying raises instead of being skipped
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
-  TORCHPATCH_REPORT=DIR       at exit, each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json:
-                              its rank, versions, each patch's status (and error), what it used
+  TORCHPATCH_REPORT=DIR       each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json
+                              (as its patches settle, last at exit): its rank, versions, each patch's
+                              status (and error), what it used
 
 Did it act? A process in which torchpatch activated prints one line when it exits, e.g.
 `torchpatch: 0.1.0 on torch 2.4.1, Python 3.11.7: applied ...`; no line means it did not act

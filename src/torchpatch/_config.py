@@ -32,7 +32,7 @@ class Config:
     switches: Dict[str, bool] = field(default_factory=dict)  # TORCHPATCH_<ID> -> on/off
     strict: bool = False
     log_level: str = "info"
-    report_dir: str = ""  # TORCHPATCH_REPORT: where each process writes its report at exit ("": none)
+    report_dir: str = ""  # TORCHPATCH_REPORT: where each process writes its report ("": none)
     warnings: List[str] = field(default_factory=list)
 
     @classmethod

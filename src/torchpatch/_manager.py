@@ -105,6 +105,7 @@ class _Installation:
         self.status: Dict[str, str] = {}
         self.errors: Dict[str, str] = {}  # patch id -> why it failed
         self.symbols_used: Dict[str, str] = {}  # "module.name" -> patch id: served symbols made so far
+        self.on_settled: Optional[Callable[[], None]] = None  # called when a patch has applied or failed
         self.started = time.time()
         self.needed_by: Dict[str, List[str]] = {}  # patch id -> armed patches that require it
         self.runs: List[_HookRun] = []
@@ -126,6 +127,7 @@ class _Installation:
             else:
                 log.warning("%s and was taken back; set TORCHPATCH_STRICT=1 to make this an error", message)
             self._fail_dependents(patch.id)
+            self._settled()
         if self.cfg.strict:
             raise PatchError(f"torchpatch patch {patch.id} failed while applying to {where}: {exc}") from exc
 
@@ -150,6 +152,11 @@ class _Installation:
             self.status[patch.id] = status
             if status == APPLIED:
                 log.debug("applied %s", patch.id)
+                self._settled()
+
+    def _settled(self) -> None:
+        if self.on_settled is not None:
+            self.on_settled()
 
     def _live(self, patch: Patch) -> bool:
         return self.status.get(patch.id) != FAILED

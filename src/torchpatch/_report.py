@@ -1,14 +1,19 @@
-"""``TORCHPATCH_REPORT=DIR``: one JSON file per process that activated torchpatch, written at exit.
+"""``TORCHPATCH_REPORT=DIR``: one JSON file per process that activated torchpatch.
 
 The file is ``DIR/torchpatch-<host>-<rank>-<pid>.json`` (``<rank>``: the ``RANK`` a launcher set, or
 ``none``). It says who the process was (host, pid, parent pid, rank, local rank, world size, command
 line), what it ran on (Python, torch, torchpatch), each armed patch with its status (and, for a
 failed one, why), the patches the flags switched off, and the served modules and symbols the process
-actually used. Nothing is done before exit: the engine notes each served module and symbol when it
-is first made, which it does anyway. The file is written to a temporary name in ``DIR`` and renamed,
-so ranks sharing ``DIR`` (a network file system included) never see half a file. A report that
-cannot be written is one warning, never an error (``TORCHPATCH_STRICT`` included): atexit cannot
-change the exit status, and the job's result matters more than its report.
+actually used. It is written at activation, each time a patch has applied or failed
+(``"complete": false``), and at exit (``"complete": true``): a process that never reaches its
+atexit handlers (killed by a signal, ``os._exit``, an actor that Ray kills) still leaves what it
+did, all but the served names it used after the last patch settled. A patch settles when its torch
+module is first imported, mostly at start-up: a few writes per process, none in a training loop.
+The engine notes each served module and symbol when it is first made, which it does anyway. The
+file is written to a temporary name in ``DIR`` and renamed, so ranks sharing ``DIR`` (a network
+file system included) never see half a file. A report that cannot be written is one warning per
+process, never an error (``TORCHPATCH_STRICT`` included): atexit cannot change the exit status,
+and the job's result matters more than its report.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import os
 import re
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Union
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from . import _versions
 from ._summary import log
@@ -30,16 +35,21 @@ if TYPE_CHECKING:
 NO_RANK = "none"  # the rank in the file name of a process no launcher gave a RANK
 _installation: Optional["_Installation"] = None
 _directory = ""
+_warned = False  # a report that cannot be written is said once
+_written: Tuple[int, str] = (0, "")  # (pid, path) of the file last written
 
 
 def arm(inst: "_Installation") -> None:
-    """Write the report of ``inst`` (the newest installation of this process) at exit, into
-    ``TORCHPATCH_REPORT`` taken relative to the working directory at activation."""
+    """Write the report of ``inst`` (the newest installation of this process) now, whenever one of
+    its patches settles, and at exit, into ``TORCHPATCH_REPORT`` taken relative to the working
+    directory at activation."""
     global _installation, _directory
     if _installation is None:
-        atexit.register(_write_at_exit)
+        atexit.register(_write, True)
     _installation = inst
     _directory = os.path.abspath(inst.cfg.report_dir)
+    inst.on_settled = lambda: _write(False)
+    _write(False)
 
 
 def _number(name: str) -> Union[int, str, None]:
@@ -57,8 +67,8 @@ def _stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def build(inst: "_Installation") -> Dict[str, Any]:
-    """The report of this process, as a JSON-ready dict."""
+def build(inst: "_Installation", complete: bool = True) -> Dict[str, Any]:
+    """The report of this process, as a JSON-ready dict (``complete``: written at exit)."""
     import socket
 
     from ._manager import __version__
@@ -81,6 +91,7 @@ def build(inst: "_Installation") -> Dict[str, Any]:
         "torch": _versions.torch_version(),
         "activated": _stamp(inst.started),
         "written": _stamp(time.time()),
+        "complete": complete,
         "flags": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHPATCH")},
         "patches": {
             patch_id: {"status": status, **({"error": inst.errors[patch_id]} if patch_id in inst.errors else {})}
@@ -138,15 +149,24 @@ def _umask() -> int:
     return mask
 
 
-def _write_at_exit() -> None:
+def _write(complete: bool) -> None:
+    """Write this process's report now (``complete`` at exit); a failure is one warning per process."""
+    global _warned, _written
     inst = _installation
     if inst is None:
         return
     directory = _directory
     try:
-        path = write(directory, build(inst))
+        path = write(directory, build(inst, complete))
+        # one file per process: a launcher's library may set RANK after the first write (Ray
+        # Train's), so the name changes; a forked child's first write is its own file
+        if _written[0] == os.getpid() and _written[1] != path:
+            os.remove(_written[1])
+        _written = (os.getpid(), path)
     except Exception as exc:  # a full disk or a read-only DIR must not turn a finished job into a traceback
-        log.warning("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
-                    "TORCHPATCH_REPORT at a writable directory, or unset it", directory, type(exc).__name__, exc)
+        if not _warned:
+            _warned = True
+            log.warning("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
+                        "TORCHPATCH_REPORT at a writable directory, or unset it", directory, type(exc).__name__, exc)
         return
     log.debug("report written to %s", path)
