@@ -116,6 +116,20 @@ os._exit(0)
 """
 
 
+# The start of a DTensor rank script: gloo, a 1-D CPU mesh over every rank, the public names (served
+# on torch 2.4 with TORCHPATCH=1; torch.distributed._tensor's without).
+DTENSOR_RANK_SETUP = """
+import json, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+try:
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+except ImportError:  # torch 2.4 without torchpatch
+    from torch.distributed._tensor import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+mesh = init_device_mesh("cpu", (world,))
+"""
+
+
 # For pipelining rank scripts on torch 2.9 with gloo (put it after the imports): 2.9's warm-up sends
 # each stage an int64 tensor into a float32 buffer, and V placements post sends to their own rank, so
 # gloo aborts before the first step (a loud fault of 2.9, not what the tests measure; gone in 2.13).

@@ -11,18 +11,9 @@ patch, not without. On torch 2.13 and later the patch is not applied and torch i
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, ranks_result, run_ranks, torch_matches
+from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, ranks_result, run_ranks, torch_matches
 
-SCRIPT = """
-import json, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-try:
-    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-mesh = init_device_mesh("cpu", (world,))
-
+SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # rank r's share of a Partial("sum") tensor; small integers: every sum is exact
     return torch.tensor([[1.0, -3.0, 2.0], [5.0, 0.0, -4.0]], dtype=torch.float64) * (r + 1) - 2 * r
 

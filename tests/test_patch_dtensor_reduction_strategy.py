@@ -10,18 +10,9 @@ and later torch is right by itself and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
 
-SCRIPT = """
-import json, torch, torch.distributed as dist
-dist.init_process_group("gloo")
-rank, world = dist.get_rank(), dist.get_world_size()
-try:
-    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._tensor import DTensor, Partial, Shard, distribute_tensor, init_device_mesh
-mesh = init_device_mesh("cpu", (world,))
-
+SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # what rank r holds of a Partial("sum") tensor: every rank can compute every rank's
     base = torch.tensor([[1.0, -3.0, 2.0], [2.5, 0.5, -4.0]], dtype=torch.float64)
     return (base if r % 2 == 0 else base.flip(1)) * (r + 1) - 2 * r
