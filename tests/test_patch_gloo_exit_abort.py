@@ -17,7 +17,10 @@ Both are made certain, whatever the machine's load, by ordering alone:
 
 Rank 1 leaves with ``os._exit`` once rank 0 has the result, so that its own worker cannot abort it
 first. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off): writing it at exit
-releases the GIL too, and would hide whether the patch is what helps.
+releases the GIL too, and would hide whether the patch is what helps. So would any other GIL release
+in torchpatch's exit handlers: with the line off, torchpatch does not even build it (finding torch's
+version reads the file system, which once let the worker finish in time in a CI run of the opt-out
+test on torch 2.15.0; a 50 ms sleep there made it finish in time in 5 runs of 5).
 """
 
 import signal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import logging
 import os
 import sys
 import threading
@@ -333,9 +334,12 @@ _job: Optional[JobSummary] = None
 
 
 def _log_summary() -> None:
-    """At exit, one line per job: versions and what was applied (see ``_summary``)."""
+    """At exit, one line per job: versions and what was applied (see ``_summary``). Not built where
+    it would not be printed (``TORCHPATCH_LOG=off``/``warning``): finding torch's version reads the
+    file system, and exit is no place for work nobody reads."""
     inst = _current
-    if inst is not None and "torch" in sys.modules and _job is not None and _job.should_print():
+    if (inst is not None and "torch" in sys.modules and _job is not None and _job.should_print()
+            and log.isEnabledFor(logging.INFO)):
         log_summary(inst.summary())
 
 
