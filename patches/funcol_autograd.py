@@ -69,9 +69,14 @@ def _all_reduce_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
     _, ctx.reduce_op, ctx.group_name = inputs
 
 
-def _all_reduce_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
+def _only_sum(op: str, ctx: Any) -> None:
+    """Refuse a backward through a reduction other than "sum", in torch 2.13's words."""
     if ctx.reduce_op.lower() != "sum":
-        raise RuntimeError(f"all_reduce backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+        raise RuntimeError(f"{op} backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+
+
+def _all_reduce_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
+    _only_sum("all_reduce", ctx)
     return _waited(_ops().all_reduce(grad.contiguous(), "sum", ctx.group_name)), None, None
 
 
@@ -89,8 +94,7 @@ def _reduce_scatter_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> Non
 
 
 def _reduce_scatter_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
-    if ctx.reduce_op.lower() != "sum":
-        raise RuntimeError(f"reduce_scatter_tensor backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    _only_sum("reduce_scatter_tensor", ctx)
     gathered = _ops().all_gather_into_tensor(grad.contiguous(), ctx.group_size, ctx.group_name)
     return _waited(gathered), None, None, None
 
@@ -106,8 +110,7 @@ def _all_to_all_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
 
 
 def _all_reduce_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None]:
-    if ctx.reduce_op.lower() != "sum":
-        raise RuntimeError(f"all_reduce_coalesced backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    _only_sum("all_reduce_coalesced", ctx)
     summed = _ops().all_reduce_coalesced([g.contiguous() for g in grads], "sum", ctx.group_name)
     return [_waited(t) for t in summed], None, None
 
@@ -119,9 +122,7 @@ def _all_gather_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any
 
 
 def _reduce_scatter_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None, None]:
-    if ctx.reduce_op.lower() != "sum":
-        raise RuntimeError(
-            f"reduce_scatter_tensor_coalesced backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
+    _only_sum("reduce_scatter_tensor_coalesced", ctx)
     gathered = _ops().all_gather_into_tensor_coalesced([g.contiguous() for g in grads], ctx.group_size, ctx.group_name)
     return [_waited(t) for t in gathered], None, None, None
 
@@ -140,7 +141,7 @@ def _settled(setup: Callable[[Any, Tuple[Any, ...], Any], None]) -> Callable[[An
         outputs = output if isinstance(output, (list, tuple)) else [output]
         if any(ctx.needs_input_grad) and all(t.device.type == "cpu" for t in outputs):
             for tensor in outputs:
-                _ops().wait_tensor(tensor)  # below autograd here: the op's own kernel
+                _waited(tensor)  # below autograd here: the op's own kernel
 
     return setup_context
 
