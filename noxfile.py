@@ -6,6 +6,9 @@
                           # and torchtitan's newer releases on torch 2.13.0 (the torchtitan-on-2.13 session),
                           # and Ray Train, accelerate and DeepSpeed's launchers on 2.13.0 (the launchers session)
 
+The matrix sessions leave the tests marked ``torch_independent`` (stand-in targets, no torch in the
+process, packaging) to the quick suite: their result is the same on every torch.
+
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
 3-5 GB): ``$NOX_TORCH_VENVS`` or ``~/.cache/torchpatch/nox``.
@@ -114,7 +117,7 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize("torch", [v for v in MATRIX if v != DEFAULT_TORCH])
 def matrix(session: nox.Session, torch: str) -> None:
     """The suite on one other torch of the matrix (with the torchtitan releases ``TORCHTITAN`` gives it)."""
-    _run_suite(session, torch, torchtitan=True)
+    _run_suite(session, torch, torchtitan=True, tests=("-m", "not torch_independent", "tests"))
 
 
 # (not named "torchtitan": its venv would take the directory that holds the releases)

@@ -5,6 +5,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, TORCH, clean_env, run_json, run_py, torch_matches
 from torchpatch import _versions
 from torchpatch.patches import NEWEST_TESTED_TORCH
@@ -15,6 +17,7 @@ def cli(*args, env=None):
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.torch_independent
 def test_help_answers_the_questions():
     out = cli("--help").stdout
     for text in ("TORCHPATCH=1", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_<ID>",
@@ -69,6 +72,7 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly():
         assert code == (0 if args == ["--help"] else 141), (args, code)  # argparse's help ignores the failed write
 
 
+@pytest.mark.torch_independent
 def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(tmp_path):
     """``PATCH = P`` and ``PATCHES = [P]`` in one plugin module: P once, no warning that its id is
     taken; another Patch object reusing the id still is one."""
@@ -161,12 +165,14 @@ def test_newest_tested_torch_is_the_newest_of_the_matrix():
     assert max(matrix, key=_versions.release) == NEWEST_TESTED_TORCH
 
 
+@pytest.mark.torch_independent
 def test_version_is_the_packages():
     import torchpatch
 
     assert cli("--version").stdout.strip() == f"torchpatch {torchpatch.__version__}"
 
 
+@pytest.mark.torch_independent
 def test_run_warns_where_the_interpreter_flags_defeat_its_bootstrap():
     probe = "import torchpatch; print(torchpatch.is_installed())"
     plain = cli("run", "--", sys.executable, "-c", probe)
@@ -185,6 +191,7 @@ def test_run_warns_where_the_interpreter_flags_defeat_its_bootstrap():
     assert quiet.stderr == ""
 
 
+@pytest.mark.torch_independent
 def test_interpreter_flags_of_a_command():
     from torchpatch._run import interpreter_flags
 
@@ -196,12 +203,14 @@ def test_interpreter_flags_of_a_command():
     assert interpreter_flags(["torchrun", "-S", "train.py"]) == set()  # not an interpreter by name
 
 
+@pytest.mark.torch_independent
 def test_run_activates_and_passes_arguments():
     proc = cli("run", "--", sys.executable, "-c",
                "import sys, torchpatch; print(torchpatch.is_installed(), sys.argv[1:])", "a", "b")
     assert proc.stdout.strip() == "True ['a', 'b']", proc.stderr
 
 
+@pytest.mark.torch_independent
 def test_run_works_for_a_target_install_and_chains_sitecustomize(tmp_path):
     """``pip install --target`` onto a shared PYTHONPATH, used from a venv that lacks torchpatch:
     no .pth is processed there, so only ``torchpatch run``'s bootstrap can activate it."""
@@ -223,6 +232,7 @@ def test_run_works_for_a_target_install_and_chains_sitecustomize(tmp_path):
     assert proc.stdout.split() == ["True", "True"], proc.stderr
 
 
+@pytest.mark.torch_independent
 def test_sitecustomize_example_chains_when_off(tmp_path):
     boot, other = tmp_path / "boot", tmp_path / "other"
     boot.mkdir()

@@ -14,6 +14,8 @@ import pytest
 
 from conftest import REPO, clean_env
 
+pytestmark = pytest.mark.torch_independent  # stand-in targets, no torch: the torch matrix leaves these to the quick suite
+
 if sys.version_info >= (3, 10):
     from importlib import metadata
 else:

@@ -157,12 +157,14 @@ def test_a_traceback_from_standard_input():
      "inventoried 1.13.1, 2.0.1, 2.1.2"),
     ([DOTTED, "--torch", "9.9.9"], "torch 9.9.9 is neither installed nor inventoried", "inventoried 1.13.1, 2.0.1, 2.1.2"),
 ])
+@pytest.mark.torch_independent
 def test_usage_errors_exit_2_and_name_the_choices(args, error, choices):
     proc = explain(*args)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"torchpatch explain: {error}") and choices in proc.stderr
 
 
+@pytest.mark.torch_independent
 def test_without_torch_the_newest_inventoried_one_answers(tmp_path):
     # torchpatch alone on the path of an interpreter that skips site-packages (-S): no torch to find
     package = Path(torchpatch.__file__).resolve().parent
@@ -178,6 +180,7 @@ def test_without_torch_the_newest_inventoried_one_answers(tmp_path):
                               "(--torch to choose)"]
 
 
+@pytest.mark.torch_independent
 def test_help_lists_the_forms_and_exit_statuses():
     top = subprocess.run([sys.executable, "-m", "torchpatch", "--help"], capture_output=True, text=True).stdout
     assert "explain" in top

@@ -7,12 +7,16 @@ import sys
 import tarfile
 import zipfile
 
+import pytest
+
 if sys.version_info >= (3, 10):
     from importlib import metadata
 else:
     import importlib_metadata as metadata
 
 from conftest import REPO, clean_env, run_json
+
+pytestmark = pytest.mark.torch_independent  # stand-in targets, no torch: the torch matrix leaves these to the quick suite
 
 DIST = metadata.distribution("torchpatch")
 FILES = {str(f) for f in DIST.files}
