@@ -9,15 +9,15 @@ RESULT = re.compile(r"result: steps (\d+) loss ([\d.]+) ema_loss ([\d.]+) ema_di
 
 
 def test_fails_without_torchpatch(tmp_path):
-    proc = run_ranks(SCRIPT, env=clean_env(), tmp_path=tmp_path)
+    proc = run_ranks(SCRIPT, env=clean_env(), tmp_path=tmp_path, launcher="torchrun")
     assert proc.returncode != 0
     assert "TypeError: cannot pickle" in proc.stderr and "ProcessGroup" in proc.stderr
 
 
 def test_trains_with_torchpatch_and_matches_one_rank(tmp_path):
-    two = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path)
+    two = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, launcher="torchrun")
     assert two.returncode == 0, two.stderr[-3000:]
-    one = run_ranks(SCRIPT, nproc=1, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path)
+    one = run_ranks(SCRIPT, nproc=1, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, launcher="torchrun")
     assert one.returncode == 0, one.stderr[-3000:]
     got = [RESULT.search(p.stdout).groups() for p in (two, one)]
     assert got[0] == got[1]  # sequence parallelism over 2 ranks is the 1-rank computation
