@@ -2,13 +2,13 @@
 
     python examples/launch.py --nproc 2 [--timeout 120] examples/train.py [script args]
 
-Each rank is ``<this python> -u script args`` (unbuffered, as under torchrun) with RANK,
-LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in its
-environment; the rest is inherited (so ``TORCHPATCH=1`` reaches the ranks) and OMP_NUM_THREADS
-defaults to 1, as with torchrun. If a rank fails, the others are killed; if the timeout runs out,
-all are. The exit status is 0 only if every rank exited 0 (124 on a timeout). For torch versions
-whose own torchrun is broken (torch 1.13.1's crashes on Python 3.11), and for the tests, where it
-saves each job torchrun's agent process. Importable: ``launch()`` returns one result per rank.
+Each rank is ``<this python> script args`` with RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR=127.0.0.1 and a free MASTER_PORT in its environment; the rest is inherited (so
+``TORCHPATCH=1`` reaches the ranks) and OMP_NUM_THREADS defaults to 1, as with torchrun. If a rank
+fails, the others are killed; if the timeout runs out, all are. The exit status is 0 only if every
+rank exited 0 (124 on a timeout). For torch versions whose own torchrun is broken (torch 1.13.1's
+crashes on Python 3.11), and for the tests (no agent process). Importable: ``launch()`` returns one
+result per rank.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
     base.update(env or {})
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
-    cmd = [python, "-u", script, *args]  # unbuffered, as torchrun starts its workers
+    cmd = [python, script, *args]
     procs: List[subprocess.Popen[bytes]] = []
     files: List[Optional[IO[str]]] = []
     stopped: List[int] = []
