@@ -9,7 +9,7 @@ import pytest
 
 from conftest import HERE, clean_env, run_py
 
-pytestmark = pytest.mark.torch_independent  # stand-in targets, no torch: the torch matrix leaves these to the quick suite
+pytestmark = pytest.mark.torch_independent  # the engine on a stand-in target: the matrix leaves these to the quick suite
 
 FAULT_PLUGIN = HERE / "fixtures" / "fault_plugin"
 STEPS = ["builder", "alias", "symbol", "on_import", "during_import", "late"]

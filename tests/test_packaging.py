@@ -16,7 +16,7 @@ else:
 
 from conftest import REPO, clean_env, run_json
 
-pytestmark = pytest.mark.torch_independent  # stand-in targets, no torch: the torch matrix leaves these to the quick suite
+pytestmark = pytest.mark.torch_independent  # the wheel and the sdist: the matrix leaves these to the quick suite
 
 DIST = metadata.distribution("torchpatch")
 FILES = {str(f) for f in DIST.files}
