@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._dtensor import POINTWISE_MODULES
 
 PATCH = Patch(
     id="dtensor-partial-add-scalar",
@@ -40,8 +41,6 @@ PATCH = Patch(
     behaviour="partial_dtensor + number",
     category="correctness",
 )
-
-POINTWISE_MODULES = ("torch.distributed._tensor.ops.pointwise_ops", "torch.distributed.tensor._ops._pointwise_ops")
 
 
 def _is_number(x: Any) -> bool:

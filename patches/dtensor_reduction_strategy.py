@@ -49,6 +49,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._dtensor import sharding_propagator
 
 PATCH = Patch(
     id="dtensor-reduction-strategy",
@@ -62,14 +63,6 @@ PATCH = Patch(
 
 MATH_MODULES = ("torch.distributed._tensor.ops.math_ops", "torch.distributed.tensor._ops._math_ops")
 _DONE = "_torchpatch_reduction_strategy"  # set on a math-ops module this patch has fixed
-
-
-def _propagator() -> Any:
-    try:
-        from torch.distributed.tensor._api import DTensor
-    except ImportError:  # torch 2.2-2.4
-        from torch.distributed._tensor.api import DTensor
-    return DTensor._op_dispatcher.sharding_propagator
 
 
 def _is_shard(p: Any) -> bool:
@@ -174,7 +167,7 @@ def fix_reductions(patcher: Patcher, math_ops: ModuleType) -> bool:
     fix_partial = "reduce_op != reduction_op" not in source
     fix_avg = not hasattr(math_ops, "is_tensor_evenly_shardable_on_dim")
     fix_all = op_map.get(aten.all.default) == "sum"
-    propagator = _propagator()
+    propagator = sharding_propagator()
     funcs = propagator.op_strategy_funcs
     linear = getattr(math_ops, "linear_reduction_strategy", None)
     # sum of a _NormPartial: wrong while sum goes through common_reduction_strategy (2.14 moved the
