@@ -31,7 +31,8 @@ Environment:
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
   TORCHPATCH_REPORT=DIR       each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json
                               (as its patches settle, last at exit): its rank, versions, each patch's
-                              status (and error), what it used
+                              status (and error), what it used; readable by its owner only
+  TORCHPATCH_REPORT_ARGV=0    the report leaves the command line out ("argv": null)
 
 Did it act? A process in which torchpatch activated prints one line when it exits, e.g.
 `torchpatch: 0.1.0 on torch 2.4.1, Python 3.11.7: applied ...`; no line means it did not act

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ._patch import Patch
 
 RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG",
-            "TORCHPATCH_REPORT",
+            "TORCHPATCH_REPORT", "TORCHPATCH_REPORT_ARGV",
             "TORCHPATCH_CHECK_TIMEOUT")  # the last one is read by `torchpatch check`, not at run time
 LOG_LEVELS = ("debug", "info", "warning", "off")
 
@@ -33,6 +33,7 @@ class Config:
     strict: bool = False
     log_level: str = "info"
     report_dir: str = ""  # TORCHPATCH_REPORT: where each process writes its report ("": none)
+    report_argv: bool = True  # TORCHPATCH_REPORT_ARGV: the report holds the command line
     warnings: List[str] = field(default_factory=list)
 
     @classmethod
@@ -52,6 +53,8 @@ class Config:
             level = "info"
         cfg.log_level = level
         cfg.report_dir = environ.get("TORCHPATCH_REPORT", "").strip()
+        if cfg.report_dir and "TORCHPATCH_REPORT_ARGV" in environ:  # a value it cannot read leaves argv out
+            cfg.report_argv = cfg._flag("TORCHPATCH_REPORT_ARGV", environ["TORCHPATCH_REPORT_ARGV"]) is True
         for name, value in environ.items():
             if name.startswith("TORCHPATCH_") and name not in RESERVED:
                 flag = cfg._flag(name, value)
