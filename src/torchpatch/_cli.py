@@ -131,7 +131,8 @@ terminal, progress is shown on stderr while the scan and the helper work.
 Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error (a missing path, a
 directory without .py files, an unknown --torch) or when the helper that
 imports torch gives no answer within TORCHPATCH_CHECK_TIMEOUT seconds (default 60). A file that
-does not parse is reported and skipped; it does not change the exit status by itself.
+does not parse, is not a regular file (a FIFO, a device) or is over 10 MB is reported and skipped;
+it does not change the exit status by itself.
 """
 
 
