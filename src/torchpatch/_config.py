@@ -46,6 +46,15 @@ class Config:
                     "TORCHPATCH_ENABLE is set but names no patch, so every patch is off; unset it to "
                     "use the catalogue, or name ids (TORCHPATCH_ENABLE=a,b; '*' for all)"
                 )
+        if cfg.enable and cfg.disable:
+            both = (list(cfg.disable) if "*" in cfg.enable
+                    else [i for i in cfg.enable if i in cfg.disable or "*" in cfg.disable])
+            if both:
+                cfg.warnings.append(
+                    f"TORCHPATCH_ENABLE and TORCHPATCH_DISABLE both name {', '.join(both)} ('*' names every id): "
+                    "TORCHPATCH_ENABLE wins and turns on what it names (a TORCHPATCH_<ID> switch beats both "
+                    "lists); name each id in one list only"
+                )
         cfg.strict = cfg._flag("TORCHPATCH_STRICT", environ.get("TORCHPATCH_STRICT", "0")) is True
         level = environ.get("TORCHPATCH_LOG", "info").strip().lower()
         if level not in LOG_LEVELS:
