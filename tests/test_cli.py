@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TORCH, clean_env, run_json, run_py, torch_matches
+from conftest import REPO, TORCH, clean_env, make_plugin, run_json, run_py, torch_matches
 from torchpatch import _versions
 from torchpatch.patches import NEWEST_TESTED_TORCH
 
@@ -76,15 +76,10 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly():
 def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(tmp_path):
     """``PATCH = P`` and ``PATCHES = [P]`` in one plugin module: P once, no warning that its id is
     taken; another Patch object reusing the id still is one."""
-    info = tmp_path / "tp_both-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-both\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[torchpatch.patches]\nboth = tp_both\n")
-    (tmp_path / "tp_both.py").write_text(
-        "from torchpatch import Patch\n"
-        "PATCH = Patch(id='both-ways', summary='s', torch='>=1.0', upstream='u')\n"
-        "PATCHES = [PATCH]\n"
-        "OTHER = Patch(id='both-ways', summary='another', torch='>=1.0', upstream='u')\n")
+    make_plugin(tmp_path, "tp_both", "from torchpatch import Patch\n"
+                "PATCH = Patch(id='both-ways', summary='s', torch='>=1.0', upstream='u')\n"
+                "PATCHES = [PATCH]\n"
+                "OTHER = Patch(id='both-ways', summary='another', torch='>=1.0', upstream='u')\n")
     env = clean_env(PYTHONPATH=str(tmp_path))
     proc = cli("list", "--json", env=env)
     assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
@@ -92,7 +87,7 @@ def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(t
     (tmp_path / "tp_both.py").write_text((tmp_path / "tp_both.py").read_text() + "PATCHES = [PATCH, OTHER]\n")
     proc = cli("list", "--json", env=env)
     assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
-    assert "ignoring third-party patch 'both-ways': the id is already taken" in proc.stderr
+    assert "ignoring third-party patch 'both-ways' from entry point tp_both = tp_both: the id is already taken" in proc.stderr
 
 
 def test_doctor_json():
