@@ -323,6 +323,17 @@ def test_torch_version_names_a_release_or_the_newest_of_a_minor():
         pick_version("2.2", "2.13.0", ["2.1.2"])
 
 
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("bad", ["2.x", "1e5", "2.1.x", "1" * 5000])
+def test_a_torch_that_is_no_version_is_a_usage_error(bad):
+    proc = check(CLEAN, "--torch", bad)
+    assert proc.returncode == 2 and proc.stdout == ""
+    shown = bad if len(bad) <= 40 else bad[:37] + "..."  # not 5,000 digits back, nor Python's int-conversion limit
+    assert proc.stderr.startswith(f"torchpatch check: --torch {shown!r} is not a torch version: give X.Y (the newest"
+                                  " release of that minor) or X.Y.Z (installed"), proc.stderr
+    assert pick_version(" v2.9.0+cu121", None, ["2.9.0"]) == pick_version("2.9.0rc1", None, ["2.9.0"]) == "2.9.0"
+
+
 def test_a_directory_without_python_files_is_a_usage_error(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.txt").write_text("import torch\n")

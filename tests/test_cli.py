@@ -90,6 +90,42 @@ def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(t
     assert "ignoring third-party patch 'both-ways' from entry point tp_both = tp_both: the id is already taken" in proc.stderr
 
 
+@pytest.mark.torch_independent
+def test_flag_values_cannot_forge_lines_of_output():
+    env = clean_env(TORCHPATCH="1\n", TORCHPATCH_DISABLE="nope\nforged line")
+    assert "activation is on (TORCHPATCH='1\\n'); patches:" in cli("list", env=env).stdout.splitlines()[0]
+    doctor = cli("doctor", env=env).stdout
+    assert "TORCHPATCH='1\\n' TORCHPATCH_DISABLE='nope\\nforged line'" in doctor
+    assert "TORCHPATCH_DISABLE names unknown patch id(s) 'nope\\nforged line'" in doctor
+    assert not [line for line in doctor.splitlines() if line.startswith("forged")], doctor
+
+
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("command, module, attribute", [
+    (["check", str(REPO / "tests" / "fixtures" / "check" / "clean"), "--torch", "2.1.2"], "torchpatch._check.progress",
+     "Progress.say"),
+    (["explain", "torch.distributed", "--torch", "2.1.2"], "torchpatch._explain", "explain"),
+    (["list"], "torchpatch._cli", "plan"),
+])
+def test_ctrl_c_ends_quietly_with_status_130(command, module, attribute):
+    code = f"""
+import importlib, signal, sys
+from torchpatch._cli import main
+
+def interrupt(*args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the command: Python raises KeyboardInterrupt
+
+owner = importlib.import_module({module!r})
+*path, name = {attribute!r}.split(".")
+for part in path:
+    owner = getattr(owner, part)
+setattr(owner, name, interrupt)
+sys.exit(main({command!r}))
+"""
+    proc = run_py(code, timeout=120)
+    assert (proc.returncode, proc.stderr) == (130, ""), proc.stderr
+
+
 def test_doctor_json():
     proc = cli("doctor", "--json", env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE="nope"))
     report = json.loads(proc.stdout)

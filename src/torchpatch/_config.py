@@ -19,6 +19,12 @@ RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH
 LOG_LEVELS = ("debug", "info", "warning", "off")
 
 
+def shown(value: str) -> str:
+    """A value from the environment as output shows it: as is where it is plain text, else quoted with
+    escapes (a newline or a terminal escape in a variable must not forge lines of output)."""
+    return value if value and value.isprintable() and value == value.strip() else repr(value)
+
+
 def _id_list(value: Optional[str]) -> List[str]:
     return [part.strip() for part in (value or "").split(",") if part.strip()]
 
@@ -51,7 +57,7 @@ class Config:
                     else [i for i in cfg.enable if i in cfg.disable or "*" in cfg.disable])
             if both:
                 cfg.warnings.append(
-                    f"TORCHPATCH_ENABLE and TORCHPATCH_DISABLE both name {', '.join(both)} ('*' names every id): "
+                    f"TORCHPATCH_ENABLE and TORCHPATCH_DISABLE both name {', '.join(map(shown, both))} ('*' names every id): "
                     "TORCHPATCH_ENABLE wins and turns on what it names (a TORCHPATCH_<ID> switch beats both "
                     "lists); name each id in one list only"
                 )
@@ -104,12 +110,12 @@ def decide(cfg: Config, patches: Sequence[Patch], inapplicable: Collection[str] 
     for source, ids in (("TORCHPATCH_DISABLE", cfg.disable), ("TORCHPATCH_ENABLE", cfg.enable or [])):
         unknown = [i for i in ids if i != "*" and i not in known]
         if unknown:
-            cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(unknown)}; valid ids: {valid}")
+            cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(map(shown, unknown))}; valid ids: {valid}")
     env_names = {switch_name(i): i for i in known}
     unknown_switches = [name for name in cfg.switches if name not in env_names]
     if unknown_switches:
         cfg.warnings.append(
-            f"unknown variable(s) {', '.join(sorted(unknown_switches))}; per-patch switches are "
+            f"unknown variable(s) {', '.join(map(shown, sorted(unknown_switches)))}; per-patch switches are "
             f"{', '.join(sorted(env_names))}"
         )
 

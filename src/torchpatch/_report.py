@@ -30,6 +30,7 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from . import _versions
+from ._config import shown
 from ._summary import log
 
 if TYPE_CHECKING:
@@ -185,11 +186,11 @@ def _write(complete: bool) -> None:
     except UnsafeFolder as exc:
         _warn_once("not writing this process's report into %s (TORCHPATCH_REPORT): %s, so another user could "
                    "replace or read it; point TORCHPATCH_REPORT at a directory of yours that only you can write "
-                   "(or one with the sticky bit, chmod +t), or unset it", directory, exc)
+                   "(or one with the sticky bit, chmod +t), or unset it", shown(directory), exc)
         return
     except Exception as exc:  # a full disk or a read-only DIR must not turn a finished job into a traceback
         _warn_once("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
-                   "TORCHPATCH_REPORT at a writable directory, or unset it", directory, type(exc).__name__, exc)
+                   "TORCHPATCH_REPORT at a writable directory, or unset it", shown(directory), type(exc).__name__, exc)
         return
     log.debug("report written to %s", path)
 
