@@ -94,6 +94,17 @@ def plugin_env(**extra: Optional[str]) -> Dict[str, str]:
     return clean_env(PYTHONPATH=path, **extra)
 
 
+def make_plugin(directory: Path, module: str, source: str) -> Path:
+    """A third-party distribution in ``directory`` (put it on PYTHONPATH) whose ``torchpatch.patches``
+    entry point is the module ``module``, with ``source``; ``directory``."""
+    info = directory / f"{module}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {module.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[torchpatch.patches]\n{module} = {module}\n")
+    (directory / f"{module}.py").write_text(source)
+    return directory
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import HERE, REPO, TORCH, clean_env, run_json
+from conftest import HERE, REPO, TORCH, clean_env, run_json, run_py
 from torchpatch import _versions
 from torchpatch._check.target import pick_version
 
@@ -323,6 +323,17 @@ def test_torch_version_names_a_release_or_the_newest_of_a_minor():
         pick_version("2.2", "2.13.0", ["2.1.2"])
 
 
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("bad", ["2.x", "1e5", "2.1.x", "1" * 5000])
+def test_a_torch_that_is_no_version_is_a_usage_error(bad):
+    proc = check(CLEAN, "--torch", bad)
+    assert proc.returncode == 2 and proc.stdout == ""
+    shown = bad if len(bad) <= 40 else bad[:37] + "..."  # not 5,000 digits back, nor Python's int-conversion limit
+    assert proc.stderr.startswith(f"torchpatch check: --torch {shown!r} is not a torch version: give X.Y (the newest"
+                                  " release of that minor) or X.Y.Z (installed"), proc.stderr
+    assert pick_version(" v2.9.0+cu121", None, ["2.9.0"]) == pick_version("2.9.0rc1", None, ["2.9.0"]) == "2.9.0"
+
+
 def test_a_directory_without_python_files_is_a_usage_error(tmp_path):
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "notes.txt").write_text("import torch\n")
@@ -334,6 +345,40 @@ def test_a_directory_without_python_files_is_a_usage_error(tmp_path):
     assert check(tmp_path, CLEAN, "--torch", "2.1.2").returncode == 2  # one empty directory among others
     (tmp_path / "train.py").write_text("import torch.distributed\n")
     assert check(tmp_path, "--torch", "2.1.2").returncode == 0
+
+
+@pytest.mark.torch_independent
+def test_only_regular_files_are_read_and_none_too_large(tmp_path):
+    """A FIFO named *.py would block the scan for good and a link to /dev/zero fill the memory: neither
+    is opened; a file over 10 MB is not read either. Each is a skipped row, and the scan goes on."""
+    (tmp_path / "train.py").write_text("import torch.distributed\n")
+    os.mkfifo(tmp_path / "fifo.py")
+    (tmp_path / "zero.py").symlink_to("/dev/zero")
+    with open(tmp_path / "huge.py", "wb") as f:
+        f.truncate(10 * 1024 * 1024 + 1)  # sparse: nothing to read, and nothing is
+    proc = check(".", "--torch", "2.1.2", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "  skipped    fifo.py: not a regular file (a FIFO)\n" in proc.stdout
+    assert "  skipped    zero.py: not a regular file (a character device)\n" in proc.stdout
+    assert "  skipped    huge.py: too large (10485761 bytes; files over 10485760 are not scanned)\n" in proc.stdout
+    data = json.loads(check(".", "--torch", "2.1.2", "--json", cwd=tmp_path).stdout)
+    assert [(s["file"], s["line"]) for s in data["skipped"]] == [("fifo.py", 0), ("huge.py", 0), ("zero.py", 0)]
+    assert [r["name"] for r in data["rows"]] == ["torch.distributed"] and data["files_with_torch"] == 1
+
+
+@pytest.mark.torch_independent
+def test_a_fifo_that_replaces_a_file_after_its_stat_never_blocks(tmp_path):
+    """The stat says a regular file (a FIFO is put in its place just after): the opening does not wait
+    for a writer, and the open file is seen for what it is."""
+    os.mkfifo(tmp_path / "swapped.py")
+    code = f"""
+import os, stat
+from torchpatch._check import scan
+real_stat = os.stat
+os.stat = lambda path, *a, **k: os.stat_result((stat.S_IFREG | 0o644,) + tuple(real_stat(path))[1:])
+print(scan.read_source({str(tmp_path / "swapped.py")!r}))
+"""
+    assert run_py(code, timeout=60).stdout.strip() == "(None, 'not a regular file (a FIFO)')"
 
 
 def test_problems_shows_only_unresolved_guarded_and_unknown_rows():

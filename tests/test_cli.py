@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, TORCH, clean_env, run_json, run_py, torch_matches
+from conftest import REPO, TORCH, clean_env, make_plugin, run_json, run_py, torch_matches
 from torchpatch import _versions
 from torchpatch.patches import NEWEST_TESTED_TORCH
 
@@ -76,15 +76,10 @@ def test_output_piped_into_a_reader_that_stops_ends_quietly():
 def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(tmp_path):
     """``PATCH = P`` and ``PATCHES = [P]`` in one plugin module: P once, no warning that its id is
     taken; another Patch object reusing the id still is one."""
-    info = tmp_path / "tp_both-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-both\nVersion: 1.0\n")
-    (info / "entry_points.txt").write_text("[torchpatch.patches]\nboth = tp_both\n")
-    (tmp_path / "tp_both.py").write_text(
-        "from torchpatch import Patch\n"
-        "PATCH = Patch(id='both-ways', summary='s', torch='>=1.0', upstream='u')\n"
-        "PATCHES = [PATCH]\n"
-        "OTHER = Patch(id='both-ways', summary='another', torch='>=1.0', upstream='u')\n")
+    make_plugin(tmp_path, "tp_both", "from torchpatch import Patch\n"
+                "PATCH = Patch(id='both-ways', summary='s', torch='>=1.0', upstream='u')\n"
+                "PATCHES = [PATCH]\n"
+                "OTHER = Patch(id='both-ways', summary='another', torch='>=1.0', upstream='u')\n")
     env = clean_env(PYTHONPATH=str(tmp_path))
     proc = cli("list", "--json", env=env)
     assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
@@ -92,7 +87,43 @@ def test_a_plugin_with_the_same_patch_in_patch_and_patches_is_not_warned_about(t
     (tmp_path / "tp_both.py").write_text((tmp_path / "tp_both.py").read_text() + "PATCHES = [PATCH, OTHER]\n")
     proc = cli("list", "--json", env=env)
     assert [r["id"] for r in json.loads(proc.stdout)].count("both-ways") == 1
-    assert "ignoring third-party patch 'both-ways': the id is already taken" in proc.stderr
+    assert "ignoring third-party patch 'both-ways' from entry point tp_both = tp_both: the id is already taken" in proc.stderr
+
+
+@pytest.mark.torch_independent
+def test_flag_values_cannot_forge_lines_of_output():
+    env = clean_env(TORCHPATCH="1\n", TORCHPATCH_DISABLE="nope\nforged line")
+    assert "activation is on (TORCHPATCH='1\\n'); patches:" in cli("list", env=env).stdout.splitlines()[0]
+    doctor = cli("doctor", env=env).stdout
+    assert "TORCHPATCH='1\\n' TORCHPATCH_DISABLE='nope\\nforged line'" in doctor
+    assert "TORCHPATCH_DISABLE names unknown patch id(s) 'nope\\nforged line'" in doctor
+    assert not [line for line in doctor.splitlines() if line.startswith("forged")], doctor
+
+
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("command, module, attribute", [
+    (["check", str(REPO / "tests" / "fixtures" / "check" / "clean"), "--torch", "2.1.2"], "torchpatch._check.progress",
+     "Progress.say"),
+    (["explain", "torch.distributed", "--torch", "2.1.2"], "torchpatch._explain", "explain"),
+    (["list"], "torchpatch._cli", "plan"),
+])
+def test_ctrl_c_ends_quietly_with_status_130(command, module, attribute):
+    code = f"""
+import importlib, signal, sys
+from torchpatch._cli import main
+
+def interrupt(*args, **kwargs):
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the command: Python raises KeyboardInterrupt
+
+owner = importlib.import_module({module!r})
+*path, name = {attribute!r}.split(".")
+for part in path:
+    owner = getattr(owner, part)
+setattr(owner, name, interrupt)
+sys.exit(main({command!r}))
+"""
+    proc = run_py(code, timeout=120)
+    assert (proc.returncode, proc.stderr) == (130, ""), proc.stderr
 
 
 def test_doctor_json():

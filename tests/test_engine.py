@@ -177,6 +177,19 @@ def test_log_levels(level, debug_lines, summary_lines):
     assert len([line for line in lines if line.startswith("torchpatch: 0.1.0 on torch")]) == summary_lines, lines
 
 
+@pytest.mark.parametrize("enable, disable, named", [("demo-shim,demo-wrap", " demo-wrap", "demo-wrap"),
+                                                     ("demo-shim", "*", "demo-shim"), ("*", "demo-shim,demo-wrap", "demo-shim, demo-wrap")])
+def test_an_id_in_both_lists_is_on_with_one_warning(enable, disable, named):
+    proc = run_py(STATUS, env=plugin_env(TORCHPATCH="1", TORCHPATCH_ENABLE=enable, TORCHPATCH_DISABLE=disable))
+    assert proc.returncode == 0, proc.stderr
+    for patch_id in named.split(", "):
+        assert patch_id in json.loads(proc.stdout.splitlines()[-1])
+    warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH_DISABLE" in line]
+    assert warnings == [f"torchpatch: TORCHPATCH_ENABLE and TORCHPATCH_DISABLE both name {named} ('*' names every id):"
+                        " TORCHPATCH_ENABLE wins and turns on what it names (a TORCHPATCH_<ID> switch beats both lists);"
+                        " name each id in one list only"], proc.stderr
+
+
 def test_an_empty_enable_list_warns_that_everything_is_off():
     proc = run_py(STATUS, env=plugin_env(TORCHPATCH="1", TORCHPATCH_ENABLE=""))
     assert proc.returncode == 0 and json.loads(proc.stdout.splitlines()[-1]) == {}

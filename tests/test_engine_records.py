@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import HERE, clean_env, run_py
+from conftest import HERE, clean_env, make_plugin, run_py
 
 pytestmark = pytest.mark.torch_independent  # the engine on a stand-in target: the matrix leaves these to the quick suite
 
@@ -156,21 +156,46 @@ def test_strict_fails_at_the_first_fault_and_does_not_advise_strict():
     assert "TORCHPATCH_STRICT" not in proc.stderr
 
 
-def test_a_broken_plugin_fails_a_strict_process_and_not_a_lenient_one(tmp_path):
-    broken = tmp_path / "broken"
-    (broken / "tp_broken-1.0.dist-info").mkdir(parents=True)
-    (broken / "tp_broken-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: tp-broken\nVersion: 1.0\n")
-    (broken / "tp_broken-1.0.dist-info" / "entry_points.txt").write_text("[torchpatch.patches]\nbroken = tp_broken_patches\n")
-    (broken / "tp_broken_patches.py").write_text("raise ImportError('tp_broken_patches cannot be imported')\n")
-    code = "import importlib.util; importlib.util.find_spec('torch'); print('ran on')"
-    env = dict(PYTHONPATH=str(broken), TORCHPATCH="1")
-    lenient = run_py(code, env=clean_env(**env))
-    assert lenient.returncode == 0 and lenient.stdout.strip() == "ran on"
-    assert "skipping third-party patches from entry point" in lenient.stderr
-    strict = run_py(code, env=clean_env(TORCHPATCH_STRICT="1", **env))
+RAN_ON = "import importlib.util; importlib.util.find_spec('torch'); print('ran on')"  # activates, then goes on
+BROKEN_PLUGINS = {
+    "raises": ("raise ImportError('tp_broken_patches cannot be imported')\n",
+               "skipping third-party patches from entry point tp_broken_patches = tp_broken_patches: "
+               "tp_broken_patches cannot be imported",
+               "torchpatch: activation failed: ImportError: tp_broken_patches cannot be imported"),
+    "exits": ("import sys\nsys.exit(3)\n",
+              "skipping third-party patches from entry point tp_broken_patches = tp_broken_patches: it called"
+              " sys.exit(3) while loading",
+              "torchpatch: activation failed: PluginError: third-party patches from entry point tp_broken_patches ="
+              " tp_broken_patches: it called sys.exit(3) while loading"),
+    "exits 0": ("import sys\nsys.exit()\n", "it called sys.exit(None) while loading",
+                "it called sys.exit(None) while loading"),  # still a failing exit under strict
+    "takes an id": ("from torchpatch import Patch\nPATCH = Patch(id='torch-six', summary='s', torch='>=1.0', upstream='u')\n",
+                    "ignoring third-party patch 'torch-six' from entry point tp_broken_patches = tp_broken_patches:"
+                    " the id is already taken",
+                    "torchpatch: activation failed: PluginError: third-party patch 'torch-six' from entry point"
+                    " tp_broken_patches = tp_broken_patches: the id is already taken"),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(BROKEN_PLUGINS))
+def test_a_broken_plugin_fails_a_strict_process_and_not_a_lenient_one(tmp_path, fault):
+    """A plugin that raises or calls sys.exit() while loading, or registers an id already taken, is
+    a warning (the job runs on without it) or, under TORCHPATCH_STRICT=1, a failed activation (exit 1)."""
+    source, warning, error = BROKEN_PLUGINS[fault]
+    env = dict(PYTHONPATH=str(make_plugin(tmp_path, "tp_broken_patches", source)), TORCHPATCH="1")
+    lenient = run_py(RAN_ON, env=clean_env(**env))
+    assert lenient.returncode == 0 and lenient.stdout.strip() == "ran on", lenient.stderr
+    assert warning in lenient.stderr
+    strict = run_py(RAN_ON, env=clean_env(TORCHPATCH_STRICT="1", **env))
     assert strict.returncode == 1 and "ran on" not in strict.stdout
-    assert "torchpatch: activation failed: ImportError: tp_broken_patches cannot be imported" in strict.stderr
+    assert error in strict.stderr
     assert "set TORCHPATCH_STRICT=1" not in strict.stderr
+
+
+def test_ctrl_c_while_a_plugin_loads_still_interrupts(tmp_path):
+    env = clean_env(PYTHONPATH=str(make_plugin(tmp_path, "tp_interrupted", "raise KeyboardInterrupt\n")), TORCHPATCH="1")
+    proc = run_py(RAN_ON, env=env)
+    assert proc.returncode != 0 and "ran on" not in proc.stdout and "KeyboardInterrupt" in proc.stderr
 
 
 def test_reload_applies_again_and_uninstall_restores_the_reloaded_originals():

@@ -165,6 +165,21 @@ def test_usage_errors_exit_2_and_name_the_choices(args, error, choices):
 
 
 @pytest.mark.torch_independent
+def test_bytes_that_are_no_text_read_as_replacement_characters():
+    """Binary input (a stray byte in a traceback, a binary file piped in) is never echoed back as surrogate
+    escapes: its bytes read as U+FFFD, and an error message around them still reads."""
+    def run(args, stdin=None):
+        return subprocess.run([sys.executable, "-m", "torchpatch", "explain", *args], input=stdin, capture_output=True,
+                              env=clean_env(PYTHONIOENCODING="utf-8"), timeout=300)
+
+    for proc in (run(["-"], b"What \xff\xfe?"), run([b"What \xff\xfe?"])):
+        error = proc.stderr.decode("utf-8")  # strict: a surrogate written out raw would not decode
+        assert proc.returncode == 2 and error.startswith("torchpatch explain: cannot tell which name 'What \ufffd\ufffd?'")
+    proc = run(["-", "--torch", "2.1.2", "--json"], f"{PARTIAL}\n\xff\n".encode("latin-1"))
+    assert proc.returncode == 0 and json.loads(proc.stdout)["name"] == "torch.distributed._tensor.Partial"
+
+
+@pytest.mark.torch_independent
 def test_without_torch_the_newest_inventoried_one_answers(tmp_path):
     # torchpatch alone on the path of an interpreter that skips site-packages (-S): no torch to find
     package = Path(torchpatch.__file__).resolve().parent

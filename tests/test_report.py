@@ -2,10 +2,15 @@
 activation, when a patch settles, and at exit."""
 
 import json
+import os
 import re
 import socket
+import stat
+
+import pytest
 
 from conftest import TORCH, clean_env, plugin_env, run_json, run_py, run_ranks
+from torchpatch import _report
 
 # Each rank uses one served symbol of the demo plugin (tp_target.Served) and never touches another
 # (tp_target.NEEDS_OLD), imports the module whose patch fails (demo-broken), and rank 0 reads a batch
@@ -121,6 +126,94 @@ def test_an_unwritable_directory_is_one_warning_and_never_an_error(tmp_path):
         assert "point TORCHPATCH_REPORT at a writable directory, or unset it" in warnings[0]
 
 
+def test_a_report_is_its_owners_alone_whatever_the_umask(tmp_path):
+    out = tmp_path / "made"
+    proc = run_py("import os; os.umask(0); import torch", env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(out)))
+    assert proc.returncode == 0, proc.stderr
+    (path,) = out.iterdir()
+    assert (stat.S_IMODE(out.stat().st_mode), stat.S_IMODE(path.stat().st_mode)) == (0o700, 0o600)
+
+
+@pytest.mark.torch_independent
+def test_the_writer_follows_no_link_and_sets_the_mode_on_its_descriptor(tmp_path, monkeypatch):
+    """Another user who swaps the temporary file for a link to a file of this user's, between its
+    creation and the rest (the race of a mode set by name), changes nothing of that file."""
+    victim = tmp_path / "victim"
+    victim.write_text("private")
+    victim.chmod(0o600)
+    folder = tmp_path / "reports"
+    real_open = os.open
+
+    def open_then_swap(path, flags, mode=0o777, *, dir_fd=None):
+        fd = real_open(path, flags, mode, dir_fd=dir_fd)
+        if flags & os.O_EXCL:  # the temporary file, moved away and a link put in its place
+            os.rename(path, "moved", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.symlink(victim, path, dir_fd=dir_fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_swap)
+    monkeypatch.setattr(os, "chmod", lambda *args, **kwargs: pytest.fail("a mode set through a name"))
+    umask = os.umask(0)
+    try:
+        _report.write(str(folder), {"host": "h", "rank": None, "pid": 1})
+    finally:
+        os.umask(umask)
+    assert victim.read_text() == "private" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    written = folder / "moved"  # what the writer wrote, through its descriptor: its owner's alone
+    assert json.loads(written.read_text()) == {"host": "h", "rank": None, "pid": 1}
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
+
+
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("owner, mode, refused", [
+    (1000, 0o700, None),
+    (1000, 0o755, None),
+    (0, 0o1777, None),  # /tmp: root's, with the sticky bit
+    (1000, 0o1770, None),  # a group's folder with the sticky bit: nobody replaces another's files
+    (1001, 0o700, "it belongs to another user (uid 1001)"),
+    (1001, 0o1777, "it belongs to another user (uid 1001)"),
+    (1000, 0o777, "others can write into it (mode 777, no sticky bit)"),
+    (1000, 0o2770, "others can write into it (mode 2770, no sticky bit)"),
+    (0, 0o777, "others can write into it (mode 777, no sticky bit)"),
+])
+def test_which_folders_a_report_goes_into(owner, mode, refused):
+    folder = os.stat_result((stat.S_IFDIR | mode, 0, 0, 2, owner, 0, 0, 0, 0, 0))
+    if refused is None:
+        _report.check_folder(folder, 1000)
+    else:
+        with pytest.raises(_report.UnsafeFolder, match=re.escape(refused)):
+            _report.check_folder(folder, 1000)
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_folder_others_can_write_is_one_warning_and_no_report(tmp_path, strict):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    env = clean_env(TORCHPATCH="1", TORCHPATCH_STRICT=strict, TORCHPATCH_REPORT=str(shared))
+    proc = run_py("import torch", env=env)
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH_REPORT" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert (f"not writing this process's report into {shared} (TORCHPATCH_REPORT): others can write into it (mode"
+            " 777, no sticky bit), so another user could replace or read it; point TORCHPATCH_REPORT at a directory"
+            " of yours that only you can write (or one with the sticky bit, chmod +t), or unset it") in warnings[0]
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o1777)  # as /tmp: others may write into it, but not replace this user's files
+    assert "TORCHPATCH_REPORT" not in run_py("import torch", env=env).stderr and len(list(shared.iterdir())) == 1
+
+
+@pytest.mark.parametrize("value, argv, warned", [(None, ["-c", "--token=SECRET"], False), ("1", ["-c", "--token=SECRET"], False),
+                                                 ("0", None, False), ("maybe", None, True)])
+def test_the_command_line_is_in_the_report_unless_left_out(tmp_path, value, argv, warned):
+    env = clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path), TORCHPATCH_REPORT_ARGV=value)
+    proc = run_py("import torch", args=["--token=SECRET"], env=env)
+    assert proc.returncode == 0, proc.stderr
+    (report,) = reports(tmp_path).values()
+    assert report["argv"] == argv
+    assert ("ignoring TORCHPATCH_REPORT_ARGV='maybe'" in proc.stderr) is warned, proc.stderr
+
+
 def test_a_relative_directory_is_taken_at_activation(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     proc = run_py("import os, torch; os.chdir('elsewhere')", env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT="out"),
@@ -140,3 +233,4 @@ def test_nothing_without_torchpatch_and_no_report_module_without_the_variable(tm
 def test_help_names_the_variable():
     out = run_py("from torchpatch._cli import main; main(['--help'])").stdout
     assert "TORCHPATCH_REPORT=DIR" in out and "DIR/torchpatch-<host>-<rank>-<pid>.json" in out
+    assert "TORCHPATCH_REPORT_ARGV=0" in out

@@ -31,11 +31,13 @@ Environment:
   TORCHPATCH_LOG=LEVEL        debug | info (default: one summary line, rank 0) | warning | off
   TORCHPATCH_REPORT=DIR       each process that activated writes DIR/torchpatch-<host>-<rank>-<pid>.json
                               (as its patches settle, last at exit): its rank, versions, each patch's
-                              status (and error), what it used
+                              status (and error), what it used; readable by its owner only
+  TORCHPATCH_REPORT_ARGV=0    the report leaves the command line out ("argv": null)
 
 Did it act? A process in which torchpatch activated prints one line when it exits, e.g.
 `torchpatch: 0.1.0 on torch 2.4.1, Python 3.11.7: applied ...`; no line means it did not act
-(`torchpatch doctor` says why). Output piped into `head` and the like stops quietly.
+(`torchpatch doctor` says why). Output piped into `head` and the like stops quietly (status 141), and
+so does Ctrl-C (status 130).
 """
 
 
@@ -130,7 +132,8 @@ terminal, progress is shown on stderr while the scan and the helper work.
 Exit status: 0 when no row is unresolved, 1 otherwise, 2 on a usage error (a missing path, a
 directory without .py files, an unknown --torch) or when the helper that
 imports torch gives no answer within TORCHPATCH_CHECK_TIMEOUT seconds (default 60). A file that
-does not parse is reported and skipped; it does not change the exit status by itself.
+does not parse, is not a regular file (a FIFO, a device) or is over 10 MB is reported and skipped;
+it does not change the exit status by itself.
 """
 
 
@@ -152,14 +155,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     except (ValueError, _check.CheckError) as exc:  # no such torch; a bad TORCHPATCH_CHECK_TIMEOUT
         print(f"torchpatch check: {exc}", file=sys.stderr)
         return 2
-    progress = _check.Progress(sys.stderr)
     try:
-        report = _check.check(args.paths, target, progress=progress.say)
+        with _check.Progress(sys.stderr) as progress:  # its line cleared however the check ends (Ctrl-C too)
+            report = _check.check(args.paths, target, progress=progress.say)
     except _check.CheckError as exc:  # the helper that imports torch did not answer
-        progress.done()
         print(f"torchpatch check: {exc}", file=sys.stderr)
         return 2
-    progress.done()
     if args.problems:
         report = _check.only_problems(report)
     print(json.dumps(report) if args.json else _check.format_text(report))  # one line: the C encoder
@@ -222,9 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
-    """``run()``, flushing stdout; where the reader went away (``torchpatch list | head``), exit
-    quietly as the standard tools do (status 141, 128 + SIGPIPE), with no traceback."""
+def _quietly(run: Callable[[], int]) -> int:
+    """``run()``, flushing stdout; where the reader went away (``torchpatch list | head``) or Ctrl-C
+    interrupts, exit quietly as the standard tools do (status 141, 128 + SIGPIPE; 130, 128 + SIGINT),
+    with no traceback."""
     try:
         try:
             code = run()
@@ -237,6 +239,8 @@ def _quiet_on_broken_pipe(run: Callable[[], int]) -> int:
         os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit must not fail again
         os.close(devnull)
         return 141
+    except KeyboardInterrupt:
+        return 130
 
 
 def _main(argv: Optional[List[str]]) -> int:
@@ -249,4 +253,4 @@ def _main(argv: Optional[List[str]]) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    return _quiet_on_broken_pipe(lambda: _main(argv))
+    return _quietly(lambda: _main(argv))

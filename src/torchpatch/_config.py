@@ -14,9 +14,15 @@ if TYPE_CHECKING:
     from ._patch import Patch
 
 RESERVED = ("TORCHPATCH", "TORCHPATCH_DISABLE", "TORCHPATCH_ENABLE", "TORCHPATCH_STRICT", "TORCHPATCH_LOG",
-            "TORCHPATCH_REPORT",
+            "TORCHPATCH_REPORT", "TORCHPATCH_REPORT_ARGV",
             "TORCHPATCH_CHECK_TIMEOUT")  # the last one is read by `torchpatch check`, not at run time
 LOG_LEVELS = ("debug", "info", "warning", "off")
+
+
+def shown(value: str) -> str:
+    """A value from the environment as output shows it: as is where it is plain text, else quoted with
+    escapes (a newline or a terminal escape in a variable must not forge lines of output)."""
+    return value if value and value.isprintable() and value == value.strip() else repr(value)
 
 
 def _id_list(value: Optional[str]) -> List[str]:
@@ -33,6 +39,7 @@ class Config:
     strict: bool = False
     log_level: str = "info"
     report_dir: str = ""  # TORCHPATCH_REPORT: where each process writes its report ("": none)
+    report_argv: bool = True  # TORCHPATCH_REPORT_ARGV: the report holds the command line
     warnings: List[str] = field(default_factory=list)
 
     @classmethod
@@ -45,6 +52,15 @@ class Config:
                     "TORCHPATCH_ENABLE is set but names no patch, so every patch is off; unset it to "
                     "use the catalogue, or name ids (TORCHPATCH_ENABLE=a,b; '*' for all)"
                 )
+        if cfg.enable and cfg.disable:
+            both = (list(cfg.disable) if "*" in cfg.enable
+                    else [i for i in cfg.enable if i in cfg.disable or "*" in cfg.disable])
+            if both:
+                cfg.warnings.append(
+                    f"TORCHPATCH_ENABLE and TORCHPATCH_DISABLE both name {', '.join(map(shown, both))} ('*' names every id): "
+                    "TORCHPATCH_ENABLE wins and turns on what it names (a TORCHPATCH_<ID> switch beats both "
+                    "lists); name each id in one list only"
+                )
         cfg.strict = cfg._flag("TORCHPATCH_STRICT", environ.get("TORCHPATCH_STRICT", "0")) is True
         level = environ.get("TORCHPATCH_LOG", "info").strip().lower()
         if level not in LOG_LEVELS:
@@ -52,6 +68,8 @@ class Config:
             level = "info"
         cfg.log_level = level
         cfg.report_dir = environ.get("TORCHPATCH_REPORT", "").strip()
+        if cfg.report_dir and "TORCHPATCH_REPORT_ARGV" in environ:  # a value it cannot read leaves argv out
+            cfg.report_argv = cfg._flag("TORCHPATCH_REPORT_ARGV", environ["TORCHPATCH_REPORT_ARGV"]) is True
         for name, value in environ.items():
             if name.startswith("TORCHPATCH_") and name not in RESERVED:
                 flag = cfg._flag(name, value)
@@ -92,12 +110,12 @@ def decide(cfg: Config, patches: Sequence[Patch], inapplicable: Collection[str] 
     for source, ids in (("TORCHPATCH_DISABLE", cfg.disable), ("TORCHPATCH_ENABLE", cfg.enable or [])):
         unknown = [i for i in ids if i != "*" and i not in known]
         if unknown:
-            cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(unknown)}; valid ids: {valid}")
+            cfg.warnings.append(f"{source} names unknown patch id(s) {', '.join(map(shown, unknown))}; valid ids: {valid}")
     env_names = {switch_name(i): i for i in known}
     unknown_switches = [name for name in cfg.switches if name not in env_names]
     if unknown_switches:
         cfg.warnings.append(
-            f"unknown variable(s) {', '.join(sorted(unknown_switches))}; per-patch switches are "
+            f"unknown variable(s) {', '.join(map(shown, sorted(unknown_switches)))}; per-patch switches are "
             f"{', '.join(sorted(env_names))}"
         )
 

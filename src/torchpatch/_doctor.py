@@ -17,7 +17,7 @@ import _torchpatch_startup
 from _torchpatch_startup import parse_flag
 
 from . import _versions
-from ._config import Config
+from ._config import Config, shown
 from ._known_bugs import known_bugs_for
 from ._manager import PatchPlan, __version__, plan
 from ._patch import Patch
@@ -122,7 +122,7 @@ def activation() -> Tuple[bool, str]:
     if value is None:
         return False, "activation is OFF here (TORCHPATCH is not set): nothing is applied"
     if parse_flag(value):
-        return True, f"activation is on (TORCHPATCH={value})"
+        return True, f"activation is on (TORCHPATCH={shown(value)})"
     return False, f"activation is OFF here (TORCHPATCH={value!r}): nothing is applied"
 
 
@@ -222,7 +222,7 @@ def format_text(report: Dict[str, Any]) -> str:
         f"numpy        {report['numpy'] or 'not installed'}",
         f"start-up     {hook}",
         "activation   " + report["activation"]["text"].replace("activation is ", "", 1),
-        "flags        " + (" ".join(f"{k}={v}" for k, v in report["flags"].items()) or "none"),
+        "flags        " + (" ".join(f"{shown(k)}={shown(v)}" for k, v in report["flags"].items()) or "none"),
         "would apply  " + (", ".join(report["would_apply"]) or "nothing"),
     ]
     lines += [f"switched off {k}: {v}" for k, v in report["switched_off"].items()]

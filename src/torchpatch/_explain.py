@@ -314,7 +314,11 @@ def register(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    text = sys.stdin.read() if args.message == "-" else args.message
+    if args.message == "-":
+        raw, encoding = sys.stdin.buffer.read(), sys.stdin.encoding or "utf-8"
+    else:
+        raw, encoding = os.fsencode(args.message), sys.getfilesystemencoding()
+    text = raw.decode(encoding, "replace")  # bytes that are no text read as U+FFFD, never echoed as surrogate escapes
     note = ""
     requested = args.torch
     if requested is None and _versions.torch_version() is None:

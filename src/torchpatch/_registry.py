@@ -86,16 +86,31 @@ def _entry_points() -> Iterable[object]:
     return entry_points(group=ENTRY_POINT_GROUP)
 
 
-def plugin_patches(strict: bool = False) -> List[Patch]:
-    """Patches that other distributions register under the ``torchpatch.patches`` entry points."""
-    found: List[Patch] = []
+def _named(ep: object) -> str:
+    """An entry point as its distribution declares it."""
+    return f"entry point {ep.name} = {ep.value}"  # type: ignore[attr-defined]
+
+
+class PluginError(RuntimeError):
+    """A third-party patch distribution is broken and ``TORCHPATCH_STRICT=1`` asked for an error."""
+
+
+def plugin_patches(strict: bool = False) -> List[Tuple[object, Patch]]:
+    """Patches that other distributions register under the ``torchpatch.patches`` entry points,
+    each with its entry point. A plugin that fails to load, ``sys.exit()`` included, is skipped with
+    a warning, or fails activation under ``strict``; it never ends the job by itself (a
+    ``KeyboardInterrupt`` still does)."""
+    found: List[Tuple[object, Patch]] = []
     for ep in _entry_points():
         try:
-            found += _patches_in(ep.load())  # type: ignore[attr-defined]
-        except Exception as exc:
+            found += [(ep, p) for p in _patches_in(ep.load())]  # type: ignore[attr-defined]
+        except (Exception, SystemExit) as exc:
+            why = f"it called sys.exit({exc.code!r}) while loading" if isinstance(exc, SystemExit) else str(exc)
+            if strict and isinstance(exc, SystemExit):
+                raise PluginError(f"third-party patches from {_named(ep)}: {why}") from exc
             if strict:
                 raise
-            log.warning("skipping third-party patches from entry point %r: %s", ep, exc)
+            log.warning("skipping third-party patches from %s: %s", _named(ep), why)
     return found
 
 
@@ -106,12 +121,15 @@ def all_patches(strict: bool = False) -> List[Patch]:
 
 def with_plugins(builtin: List[Patch], strict: bool = False, taken: Sequence[str] = ()) -> List[Patch]:
     """``builtin`` then third-party patches; a plugin reusing an id (of ``builtin`` or ``taken``)
-    is an error in the plugin, not ours."""
+    is an error in the plugin, not ours: a warning, or a PluginError under ``strict``."""
     patches = list(builtin)
     seen = {p.id for p in patches} | set(taken)
-    for p in plugin_patches(strict):
+    for ep, p in plugin_patches(strict):
         if p.id in seen:
-            log.warning("ignoring third-party patch %r: the id is already taken", p.id)
+            message = f"third-party patch {p.id!r} from {_named(ep)}: the id is already taken"
+            if strict:
+                raise PluginError(message)
+            log.warning("ignoring %s", message)
             continue
         seen.add(p.id)
         patches.append(p)

@@ -11,7 +11,9 @@ did, all but the served names it used after the last patch settled. A patch sett
 module is first imported, mostly at start-up: a few writes per process, none in a training loop.
 The engine notes each served module and symbol when it is first made, which it does anyway. The
 file is written to a temporary name in ``DIR`` and renamed, so ranks sharing ``DIR`` (a network
-file system included) never see half a file. A report that cannot be written is one warning per
+file system included) never see half a file. The file is its owner's alone (mode 0600: it holds
+the command line, unless ``TORCHPATCH_REPORT_ARGV=0``), and a ``DIR`` another user owns, or may write
+into without the sticky bit, is refused. A report that cannot be written is one warning per
 process, never an error (``TORCHPATCH_STRICT`` included): atexit cannot change the exit status,
 and the job's result matters more than its report.
 """
@@ -22,11 +24,13 @@ import atexit
 import json
 import os
 import re
+import stat
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
 
 from . import _versions
+from ._config import shown
 from ._summary import log
 
 if TYPE_CHECKING:
@@ -85,7 +89,7 @@ def build(inst: "_Installation", complete: bool = True) -> Dict[str, Any]:
         "rank": _number("RANK"),
         "local_rank": _number("LOCAL_RANK"),
         "world_size": _number("WORLD_SIZE"),
-        "argv": list(sys.argv),
+        "argv": list(sys.argv) if inst.cfg.report_argv else None,
         "executable": sys.executable,
         "python": _versions.python_version(),
         "torch": _versions.torch_version(),
@@ -112,46 +116,62 @@ def file_name(host: str, rank: Union[int, str, None], pid: int) -> str:
     return f"torchpatch-{clean(host)}-{clean(NO_RANK if rank is None else str(rank))}-{pid}.json"
 
 
+REPORT_MODE = 0o600  # a report describes one user's job (its command line, its paths): its owner reads it
+
+
+class UnsafeFolder(Exception):
+    """A report folder in which another user could replace or read what this process writes."""
+
+
+def check_folder(folder: os.stat_result, uid: int) -> None:
+    """UnsafeFolder where ``folder`` (the report folder's stat) belongs to another user (root
+    aside: ``/tmp`` is root's) or others may write into it without the sticky bit: there they could
+    rename this process's files away and put theirs (or a link) in their place."""
+    if folder.st_uid not in (uid, 0):
+        raise UnsafeFolder(f"it belongs to another user (uid {folder.st_uid})")
+    if folder.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not folder.st_mode & stat.S_ISVTX:
+        raise UnsafeFolder(f"others can write into it (mode {stat.S_IMODE(folder.st_mode):o}, no sticky bit)")
+
+
 def write(directory: str, report: Dict[str, Any]) -> str:
-    """Write ``report`` into ``directory`` (made if missing) atomically; the file's path."""
-    import tempfile
+    """Write ``report`` atomically into ``directory`` (made, mode 0700, if missing) as a file only
+    its owner reads; the file's path. UnsafeFolder where the folder is not safe to write into.
 
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, file_name(report["host"], report["rank"], report["pid"]))
-    fd, temporary = tempfile.mkstemp(prefix=".torchpatch-", suffix=".tmp", dir=directory)
+    Everything happens relative to the folder opened once and checked (``dir_fd``), so swapping
+    the folder after the check changes nothing. The temporary file is made with ``O_EXCL`` and
+    ``O_NOFOLLOW`` (a link planted at its name fails the write) and its mode is set on the open
+    descriptor, never through a name. ``os.replace`` renames the temporary name's entry: a link
+    planted at the final name is replaced, never followed. Another user who could still swap the
+    temporary name for a link before the rename would need write access to a folder without the
+    sticky bit, which :func:`check_folder` refuses.
+    """
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    name = file_name(report["host"], report["rank"], report["pid"])
+    folder = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
-        os.chmod(temporary, 0o666 & ~_umask())  # as open() would make it: mkstemp's is 0600
-        os.replace(temporary, path)
-    except BaseException:
+        check_folder(os.fstat(folder), os.geteuid())
+        temporary = f".torchpatch-{os.getpid()}-{os.urandom(6).hex()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, REPORT_MODE, dir_fd=folder)
         try:
-            os.remove(temporary)
-        except OSError:
-            pass
-        raise
-    return path
-
-
-def _umask() -> int:
-    """This process's umask, read without setting it where Linux says it (``os.umask`` sets it
-    for every thread, for a moment)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                os.fchmod(fd, REPORT_MODE)  # the umask does not decide who reads it
+                json.dump(report, f, indent=1)
+                f.write("\n")
+            os.replace(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)
+        except BaseException:
+            try:
+                os.remove(temporary, dir_fd=folder)
+            except OSError:
+                pass
+            raise
+    finally:
+        os.close(folder)
+    return os.path.join(directory, name)
 
 
 def _write(complete: bool) -> None:
     """Write this process's report now (``complete`` at exit); a failure is one warning per process."""
-    global _warned, _written
+    global _written
     inst = _installation
     if inst is None:
         return
@@ -163,10 +183,20 @@ def _write(complete: bool) -> None:
         if _written[0] == os.getpid() and _written[1] != path:
             os.remove(_written[1])
         _written = (os.getpid(), path)
+    except UnsafeFolder as exc:
+        _warn_once("not writing this process's report into %s (TORCHPATCH_REPORT): %s, so another user could "
+                   "replace or read it; point TORCHPATCH_REPORT at a directory of yours that only you can write "
+                   "(or one with the sticky bit, chmod +t), or unset it", shown(directory), exc)
+        return
     except Exception as exc:  # a full disk or a read-only DIR must not turn a finished job into a traceback
-        if not _warned:
-            _warned = True
-            log.warning("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
-                        "TORCHPATCH_REPORT at a writable directory, or unset it", directory, type(exc).__name__, exc)
+        _warn_once("cannot write this process's report into %s (TORCHPATCH_REPORT): %s: %s; point "
+                   "TORCHPATCH_REPORT at a writable directory, or unset it", shown(directory), type(exc).__name__, exc)
         return
     log.debug("report written to %s", path)
+
+
+def _warn_once(message: str, *args: object) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        log.warning(message, *args)

@@ -28,6 +28,12 @@ class Progress:
         self.stream.flush()
         self._width = len(line)
 
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
     def done(self) -> None:
         """Clear the status line."""
         if self.shown and self._width:

@@ -242,7 +242,8 @@ def format_text(report: Dict[str, Any]) -> str:
             details.append(f"not backportable: {nb['what']}, torch {nb['torch']} ({nb['why']})")
         lines += [f"  {'':<10} {d}" for d in details]
     for s in report["skipped"]:
-        lines.append(f"  skipped    {s['file']}:{s['line']}: {s['error']}")
+        where = f"{s['file']}:{s['line']}" if s["line"] else s["file"]  # no line: the file was not read
+        lines.append(f"  skipped    {where}: {s['error']}")
     counts = report["counts"]
     summary = ", ".join(f"{counts[k]} {k}" for k in KINDS)
     if counts[PATCHED]:

@@ -16,6 +16,7 @@ import ast
 import bisect
 import os
 import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -28,6 +29,7 @@ from .members import TypeExpr
 from .signature import CallShape
 
 SKIP_DIRS = {"__pycache__", "node_modules", "site-packages"}
+MAX_FILE_BYTES = 10 * 1024 * 1024  # a larger "source" file is data or generated: skipped, and said so
 
 
 @dataclass
@@ -397,14 +399,44 @@ def _child_fields(kind: type) -> Tuple[str, ...]:
     return _CHILD_FIELDS[kind]
 
 
+def _not_regular(mode: int) -> str:
+    """Why a file of this ``st_mode`` is not read ("" for a regular file)."""
+    if stat.S_ISREG(mode):
+        return ""
+    kinds = ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+    return f"not a regular file ({next((kind for test, kind in kinds if test(mode)), 'unknown kind')})"
+
+
+def _too_large(size: int) -> str:
+    return f"too large ({size} bytes; files over {MAX_FILE_BYTES} are not scanned)" if size > MAX_FILE_BYTES else ""
+
+
+def read_source(path: str) -> Tuple[Optional[bytes], str]:
+    """A file's bytes, or None and why it is skipped. Only a regular file (a link followed) of at most
+    MAX_FILE_BYTES is read: a FIFO or a device named ``*.py`` (a link to ``/dev/zero``) would block
+    or never end. Nothing else is opened, and the opening never blocks (a FIFO put in the file's
+    place after the stat is seen on the open file)."""
+    source = b""
+    try:
+        why = _not_regular(os.stat(path).st_mode)
+        if not why:
+            with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY), "rb") as fh:
+                info = os.fstat(fh.fileno())
+                why = _not_regular(info.st_mode) or _too_large(info.st_size)
+                source = b"" if why else fh.read(MAX_FILE_BYTES + 1)
+            why = why or _too_large(len(source))  # it grew since
+    except OSError as exc:
+        return None, f"cannot read: {exc.strerror or exc}"
+    return (None, why) if why else (source, "")
+
+
 def scan_file(path: str, shown: str, classes: FrozenSet[str] = frozenset()) -> Optional[FileScan]:
     """The torch names one file uses, or None if it never mentions torch. ``classes``: the names of
     the torch classes whose members are known (values of other classes are not followed)."""
-    try:
-        with open(path, "rb") as fh:
-            source = fh.read()
-    except OSError as exc:
-        return FileScan(shown, error=f"cannot read: {exc.strerror or exc}")
+    source, why = read_source(path)
+    if source is None:
+        return FileScan(shown, error=why)
     if b"torch" not in source:
         return None
     scan = FileScan(shown)

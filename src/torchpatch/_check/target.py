@@ -3,6 +3,7 @@ what exists there comes from: its inventory, a helper that imports it, or both."
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -36,15 +37,25 @@ class Target:
             self.shim_view.close()
 
 
+# what --torch accepts: a release (each number 10 digits at most), a pre-, post- or dev-release, a local part
+_VERSION = re.compile(r"v?\d{1,10}(?:\.\d{1,10})*(?:(?:a|b|rc)\d{1,10})?(?:\.post\d{1,10})?(?:\.dev\d{1,10})?"
+                      r"(?:\+[A-Za-z0-9.]{1,64})?")
+
+
 def pick_version(requested: str, installed: Optional[str], inventoried: Sequence[str]) -> str:
     """The release ``--torch requested`` means: ``X.Y.Z`` exactly, ``X.Y`` the newest ``X.Y.*``
-    inventoried or installed; ValueError naming the known ones otherwise."""
+    inventoried or installed; ValueError naming the known ones otherwise (a text that is no version,
+    ``2.x`` or ``1e5``; one that names no single release, ``2``)."""
     known = f"installed {installed or 'none'}; inventoried {', '.join(inventoried) or 'none'}"
-    wanted = _versions.release(requested)
-    if wanted is not None and len(wanted) == 1:
+    if not _VERSION.fullmatch(requested.strip()):
+        shown = requested if len(requested) <= 40 else requested[:37] + "..."
+        raise ValueError(f"--torch {shown!r} is not a torch version: give X.Y (the newest release of that minor) or"
+                         f" X.Y.Z ({known})")
+    wanted = _versions.release(requested) or ()
+    if len(wanted) == 1:
         raise ValueError(f"--torch {requested!r} is ambiguous: name a minor, X.Y (its newest release), or a"
                          f" release, X.Y.Z ({known})")
-    if wanted is None or len(wanted) not in (2, 3):
+    if len(wanted) not in (2, 3):
         raise ValueError(f"--torch {requested!r}: give X.Y (the newest release of that minor) or X.Y.Z ({known})")
     candidates = set(inventoried).union([installed] if installed else [])
     matching = [v for v in candidates if (_versions.release(v) or ())[:len(wanted)] == wanted]
