@@ -146,6 +146,15 @@ def test_a_fault_at_any_step_takes_the_patch_and_its_dependents_back_whole(nativ
     assert out["outcomes"]["late"] == []  # its registry entry never made, or removed again
 
 
+@pytest.mark.parametrize("fault", [step for step in STEPS if step != "alias"])
+def test_a_step_that_calls_sys_exit_is_a_fault_not_the_end_of_the_job(native, fault):
+    out, stderr = _scenario(fault, TORCHPATCH="1", TP_FAULT_EXIT="1")  # the process goes on: exit status 0
+    assert out["status"] == {"demo-fault": "failed", "demo-fault-dependent": "failed"}, stderr
+    assert _same_as_native(out["state"], native["state"]) == native["state"], stderr
+    failures = [line for line in stderr.splitlines() if "demo-fault failed" in line]
+    assert len(failures) == 1 and f"SystemExit: demo-fault exits at {fault}" in failures[0], stderr
+
+
 def test_strict_fails_at_the_first_fault_and_does_not_advise_strict():
     proc = run_py(SCENARIO, env=clean_env(PYTHONPATH=str(FAULT_PLUGIN), TP_FAULT="builder", TORCHPATCH="1",
                                           TORCHPATCH_STRICT="1"))

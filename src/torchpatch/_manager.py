@@ -188,7 +188,7 @@ class _Installation:
             try:
                 module.__torchpatch__ = patch.id  # type: ignore[attr-defined]
                 build(module)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:  # a patch never ends the job
                 self._fail(patch, f"module {name}", exc)
                 raise ModuleNotFoundError(f"No module named {name!r}", name=name) from exc
             self._mark(patch, APPLIED)
@@ -204,7 +204,7 @@ class _Installation:
                     if exc.name is None or not (target == exc.name or target.startswith(exc.name + ".")):
                         self._fail(patch, f"module {name} (= {target})", exc)
                     # else: the other name is missing too on this torch, so there is nothing to serve
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:
                     self._fail(patch, f"module {name} (= {target})", exc)
                 else:
                     self._mark(patch, APPLIED)
@@ -218,7 +218,7 @@ class _Installation:
             if self._live(patch):
                 try:
                     value = factory()
-                except Exception as exc:
+                except (Exception, SystemExit) as exc:
                     self._fail(patch, f"{module}.{name}", exc)
                 else:
                     self.symbols_used.setdefault(f"{module}.{name}", patch.id)
@@ -233,7 +233,7 @@ class _Installation:
                 return
             try:
                 served, undo = self.symbols.serve(module, names)
-            except Exception as exc:
+            except (Exception, SystemExit) as exc:
                 self._fail(patch, where, exc)
                 return
             self.journal.record(patch.id).add(undo)
@@ -251,7 +251,7 @@ class _Installation:
         self.journal.record(patch.id).add(patcher.undo)
         try:
             result = hook(patcher, module)
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             self._fail(patch, where, exc)
             return None
         self._mark(patch, NOT_NEEDED if result is False else APPLIED)
