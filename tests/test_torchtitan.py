@@ -7,8 +7,9 @@ The releases are installed by the nox matrix sessions of torch >= 2.4 (``pip ins
 ``nox -s tests``) every test here skips. The full release x torch x parallelism table, against the
 newest torch's native run, is made by ``tools/torchtitan_table.py``; CI runs the subset in ``TRAIN``,
 which exercises every patch torchtitan 0.1.0 needs on torch 2.4 (FSDP: device-mesh-flatten, fsdp-public,
-fsdp2-cpu, gloo-avg; PP: pipeline-stage-inference, pipelining-gloo-p2p; both: flex-attention-module,
-dtensor-spec-module, tp-prepare-module-input-output, sdpa-kernel-priority and the DTensor patches), and
+fsdp2-cpu, gloo-avg; PP: pipeline-stage-inference, pipelining-gloo-p2p; all: flex-attention-module,
+dtensor-spec-module, tp-prepare-module-input-output, sdpa-kernel-priority and the DTensor patches; TP
+on 2.4 and 2.9: clip_grad_norm_ of partial gradients, dtensor-inplace-placement-change), and
 on torch 2.13, the oldest torch the newer releases train on (with the Triton that 2.13's CUDA builds
 bring), torchtitan 0.2.2's FSDP (fsdp2-gloo-divide-factor) and 0.3.0's pipeline parallel
 (pipelining-presplit-inputs, set-timeout). Which release is installed on which torch is the noxfile's
