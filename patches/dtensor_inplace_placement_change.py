@@ -161,7 +161,7 @@ def _linear_strategy(original: Callable[..., Any], costs: Callable[[Any, Any], L
         children = _children(self_strategy)
         if children is None:
             return _keep_partial(self_strategy, result, costs)
-        for child, out in zip(children, _children(result)):
+        for child, out in zip(children, _children(result) or ()):
             _keep_partial(child, out, costs)
         return result
 

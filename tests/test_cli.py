@@ -115,6 +115,10 @@ from torchpatch._cli import main
 def interrupt(*args, **kwargs):
     signal.raise_signal(signal.SIGINT)  # Ctrl-C, in the middle of the command: Python raises KeyboardInterrupt
 
+# as in a terminal: a process started in the background of a non-interactive shell (a CI runner's
+# `cmd &`, nohup) inherits SIGINT ignored, and Python then leaves it ignored
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 owner = importlib.import_module({module!r})
 *path, name = {attribute!r}.split(".")
 for part in path:
