@@ -67,20 +67,36 @@ ABORT = "terminate called without an active exception"
 
 
 def rank0(tmp_path, **env):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path, flags = tmp_path / "rank_script.py", tmp_path / "flags"
     path.write_text(SCRIPT)
     flags.write_bytes(bytes(2))
     return launch(str(path), 2, env=clean_env(GLOO_EXIT_FLAGS=str(flags), **env), timeout=120)[0]
 
 
-def assert_aborts(proc):
-    assert proc.returncode == -signal.SIGABRT and ABORT in proc.stderr, (proc.returncode, proc.stderr[-3000:])
+def aborts(proc) -> bool:
+    return proc.returncode == -signal.SIGABRT and ABORT in proc.stderr
+
+
+# A machine busy with other work (two pytest-xdist workers on 2 cores) can deschedule gloo's worker
+# past the finalizer's GIL release, and the run then ends cleanly (seen once in a loaded quick suite):
+# the reproduction of the native abort is the first of up to this many runs that aborts.
+TRIES = 3
+
+
+def assert_aborts(tmp_path, **env):
+    runs = []
+    for attempt in range(TRIES):
+        proc = rank0(tmp_path / str(attempt), **env)
+        if aborts(proc):
+            return proc
+        runs.append((proc.returncode, proc.stderr[-1000:]))
+    raise AssertionError(f"no abort in {TRIES} runs: {runs}")
 
 
 @only_torch(">=2.10")
 def test_native_abort_at_exit(tmp_path):
-    proc = rank0(tmp_path)
-    assert_aborts(proc)
+    proc = assert_aborts(tmp_path)
     assert '{"status": null, "workers": null}' in proc.stdout  # the script itself ran to its end
 
 
@@ -93,7 +109,7 @@ def test_exit_waits_for_the_workers(tmp_path):
 
 @only_torch(">=2.10")
 def test_opt_out_brings_the_abort_back(tmp_path):
-    assert_aborts(rank0(tmp_path, TORCHPATCH="1", TORCHPATCH_GLOO_EXIT_ABORT="0", TORCHPATCH_LOG="off"))
+    assert_aborts(tmp_path, TORCHPATCH="1", TORCHPATCH_GLOO_EXIT_ABORT="0", TORCHPATCH_LOG="off")
 
 
 @only_torch("<2.10", "the worker needs the GIL for a tensor alive in Python only from torch 2.10")
