@@ -116,6 +116,16 @@ from launch import launch  # noqa: E402  (the plain env:// launcher of examples/
 
 RESULT = "TORCHPATCH-TEST-RESULT "
 
+# The files whose tests take longest (minutes: torchtitan's import survey and training, the fixture
+# repositories' survey) are collected first: pytest-xdist (``--dist loadfile``, the noxfile) hands out
+# whole files in collection order, and a long file started last would keep one worker busy alone.
+COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_patch_dtensor_mixed.py", "test_engine_torch.py")
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    first = {name: i for i, name in enumerate(COLLECTED_FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(COLLECTED_FIRST)))  # stable: the rest keep their order
+
 # The end of a rank script (append it to the script's text): meet at a barrier, then leave without the
 # process-group teardown. torch 2.1/2.4's gloo destroy_process_group() can hang on one rank even after
 # a barrier, with or without torchpatch: 2 of 16 runs of test_patch_dtensor_partial's script on 2.4.1,

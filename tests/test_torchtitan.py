@@ -52,8 +52,15 @@ NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torc
 STEPS = 4
 
 
+# Where the import survey does not run: 0.1.0 is installed in the 2.9.0 session to train TP there (its
+# clip_grad_norm_ of partial gradients); its imports are surveyed on 2.4 and 2.15 (3.5 min a torch).
+NOT_SURVEYED = "==2.9.*"
+
+
 @pytest.fixture(scope="module")
 def result() -> survey.Survey:
+    if torch_matches(NOT_SURVEYED):
+        pytest.skip(f"the import survey runs on 2.4 and 2.15, not on torch {TORCH}")
     names = [survey.installed(path, "torchtitan", exclude=("experiments",)) for path in RELEASES.values()]
     outcome = survey.run_survey(sys.executable, names)
     print("\n" + survey.format_table(outcome))
