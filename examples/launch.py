@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import IO, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 TIMEOUT_RC = 124
 
@@ -43,7 +43,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _stop(procs: Sequence[subprocess.Popen[bytes]], grace: float = 5.0) -> List[int]:
+def _stop(procs: Sequence[Any], grace: float = 5.0) -> List[int]:
     """Terminate, then kill, every rank still running; return the indices it stopped."""
     alive = [i for i, p in enumerate(procs) if p.poll() is None]
     for i in alive:
@@ -65,11 +65,12 @@ def _read(f: IO[str]) -> str:
 
 def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
            env: Optional[Mapping[str, str]] = None, timeout: float = 120.0, capture: bool = True,
-           python: str = sys.executable) -> List[RankResult]:
+           python: str = sys.executable, popen: Callable[..., Any] = subprocess.Popen) -> List[RankResult]:
     """Run ``python script *args`` as ``nproc`` ranks; return their results in rank order.
 
     ``env`` is added to (and overrides) this process's environment. With ``capture`` the output of
     each rank is collected in its result, otherwise it goes to this process's stdout/stderr.
+    ``popen`` starts each rank (``subprocess.Popen``'s signature; the tests pass a fork server's).
     """
     base: Dict[str, str] = dict(os.environ)
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
@@ -77,7 +78,7 @@ def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
                 LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
     cmd = [python, script, *args]
-    procs: List[subprocess.Popen[bytes]] = []
+    procs: List[Any] = []  # subprocess.Popen's, or what ``popen`` gives
     files: List[Optional[IO[str]]] = []
     stopped: List[int] = []
     timed_out = False
@@ -87,7 +88,7 @@ def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
                 for _ in ("stdout", "stderr"):
                     files.append(stack.enter_context(tempfile.TemporaryFile("w+", errors="replace"))
                                  if capture else None)
-                procs.append(subprocess.Popen(
+                procs.append(popen(
                     cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
                     stdin=subprocess.DEVNULL, stdout=files[-2], stderr=files[-1]))
             deadline = time.monotonic() + timeout

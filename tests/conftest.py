@@ -14,6 +14,7 @@ from typing import Any, Dict, Optional
 
 import pytest
 
+import forkserver
 from torchpatch import _versions
 
 # Each test sets the TORCHPATCH* variables it means; none leak in from the caller's shell.
@@ -52,15 +53,10 @@ def clean_env(**extra: Optional[str]) -> Dict[str, str]:
 
 
 def run_py(code: str, *, env: Optional[Dict[str, str]] = None, args=(), timeout: float = 180, cwd=None) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter of this venv."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=env if env is not None else clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
+    """Run ``code`` as ``python -c code *args`` of this venv: forked from a warm interpreter where
+    that is the same as a fresh one (tests/forkserver.py), otherwise a fresh interpreter."""
+    return forkserver.run([sys.executable, "-c", textwrap.dedent(code), *args],
+                          env=env if env is not None else clean_env(), timeout=timeout, cwd=cwd)
 
 
 def import_with_torchpatch(statement: str, patch_id: str) -> dict:
@@ -120,6 +116,14 @@ RESULT = "TORCHPATCH-TEST-RESULT "
 # repositories' survey) are collected first: pytest-xdist (``--dist loadfile``, the noxfile) hands out
 # whole files in collection order, and a long file started last would keep one worker busy alone.
 COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_patch_dtensor_mixed.py", "test_engine_torch.py")
+
+
+@pytest.fixture(autouse=True)
+def _process_kind(request: pytest.FixtureRequest):
+    """Tests marked ``fresh_interpreter`` start every process fresh; the others fork where they can."""
+    forkserver.allowed = request.node.get_closest_marker("fresh_interpreter") is None
+    yield
+    forkserver.allowed = True
 
 
 def pytest_collection_modifyitems(items: list) -> None:
@@ -190,7 +194,7 @@ def run_ranks(script: str, *, nproc: int = 2, env: Optional[Dict[str, str]] = No
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(path)]
         return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    ranks = launch(str(path), nproc, env=env, timeout=timeout)
+    ranks = launch(str(path), nproc, env=env, timeout=timeout, popen=forkserver.popen)
     return subprocess.CompletedProcess(
         [str(path)], max((abs(r.returncode) for r in ranks), default=0),
         "".join(r.stdout or "" for r in ranks), "".join(r.stderr or "" for r in ranks),

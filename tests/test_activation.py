@@ -6,6 +6,8 @@ import pytest
 
 from conftest import REPO, TORCH, clean_env, run_json, run_py
 
+pytestmark = pytest.mark.fresh_interpreter  # activation at interpreter start, the .pth and sitecustomize paths
+
 STATE = """
 import copy, json, sys
 found = [type(f).__module__ + "." + type(f).__name__ for f in sys.meta_path]

@@ -11,6 +11,8 @@ from conftest import REPO, TORCH, clean_env, make_plugin, run_json, run_py, torc
 from torchpatch import _versions
 from torchpatch.patches import NEWEST_TESTED_TORCH
 
+pytestmark = pytest.mark.fresh_interpreter  # the command line's own processes
+
 
 def cli(*args, env=None):
     return subprocess.run([sys.executable, "-m", "torchpatch", *args], env=env or clean_env(),

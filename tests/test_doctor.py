@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, clean_env
 
-pytestmark = pytest.mark.torch_independent  # a venv without torch: the matrix leaves these to the quick suite
+pytestmark = [pytest.mark.torch_independent, pytest.mark.fresh_interpreter]  # what a fresh interpreter finds installed; a venv without torch: the matrix leaves these to the quick suite
 
 if sys.version_info >= (3, 10):
     from importlib import metadata

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import ARM, plugin_env, run_json, run_py
 
-pytestmark = pytest.mark.torch_independent  # the engine on a stand-in target: the matrix leaves these to the quick suite
+pytestmark = [pytest.mark.torch_independent, pytest.mark.fresh_interpreter]  # activation, its warnings and the summary line; the engine on a stand-in target: the matrix leaves these to the quick suite
 
 PROBE = ARM + """
 import json, importlib, torchpatch

@@ -9,7 +9,7 @@ import pytest
 
 from conftest import HERE, clean_env, make_plugin, run_py
 
-pytestmark = pytest.mark.torch_independent  # the engine on a stand-in target: the matrix leaves these to the quick suite
+pytestmark = [pytest.mark.torch_independent, pytest.mark.fresh_interpreter]  # activation and exit-time records; the engine on a stand-in target: the matrix leaves these to the quick suite
 
 FAULT_PLUGIN = HERE / "fixtures" / "fault_plugin"
 STEPS = ["builder", "alias", "symbol", "on_import", "during_import", "late"]

@@ -11,7 +11,11 @@ on the way may be new; every object the snapshot saw is still there."""
 
 import json
 
+import pytest
+
 from conftest import clean_env, only_torch, run_json, run_py, run_ranks
+
+pytestmark = pytest.mark.fresh_interpreter  # the summary line at exit, uninstall and reload of torch modules from a clean start
 
 SCRIPT = r"""
 import importlib, json, sys, types

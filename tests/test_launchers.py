@@ -25,6 +25,8 @@ import pytest
 
 from conftest import clean_env, free_port
 
+pytestmark = pytest.mark.fresh_interpreter  # real launchers
+
 ERROR = "cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"
 BIN = Path(sys.executable).parent
 

@@ -25,7 +25,11 @@ test on torch 2.15.0; a 50 ms sleep there made it finish in time in 5 runs of 5)
 
 import signal
 
+import pytest
+
 from conftest import clean_env, launch, only_torch
+
+pytestmark = pytest.mark.fresh_interpreter  # gloo's abort at interpreter exit
 
 SCRIPT = """
 import json, mmap, os, sys, time, torch, torch.distributed as dist, torchpatch

@@ -31,8 +31,10 @@ if "error" not in out:
             except RuntimeError as exc:
                 out[name] = {"seconds": time.monotonic() - start, "error": str(exc)[:200]}
         store.set("done", "1")
+        store.wait(["seen"], datetime.timedelta(seconds=120))  # rank 0 holds the store: stay till rank 1 is done with it
     else:
         store.wait(["done"], datetime.timedelta(seconds=120))
+        store.set("seen", "1")
 try:
     import torchpatch
     out["status"] = torchpatch.status().get("set-timeout")

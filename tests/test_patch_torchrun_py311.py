@@ -10,7 +10,7 @@ import pytest
 
 from conftest import RESULT, clean_env, free_port, only_torch, run_json
 
-pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="the bug is Python 3.11's IntFlag iteration")
+pytestmark = [pytest.mark.skipif(sys.version_info < (3, 11), reason="the bug is Python 3.11's IntFlag iteration"), pytest.mark.fresh_interpreter]  # torchrun's own start
 
 # Std.from_str for every form torchrun accepts, next to the member each must give (Std(int(v)),
 # which is how torch >= 2.0 looks them up); and the error for what it must refuse.

@@ -10,6 +10,8 @@ import stat
 import pytest
 
 from conftest import TORCH, clean_env, plugin_env, run_json, run_py, run_ranks
+
+pytestmark = pytest.mark.fresh_interpreter  # each process's report, from activation to its last write at exit
 from torchpatch import _report
 
 # Each rank uses one served symbol of the demo plugin (tp_target.Served) and never touches another

@@ -6,7 +6,11 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import RESULT, clean_env, free_port
+
+pytestmark = pytest.mark.fresh_interpreter  # real torchrun jobs
 
 WORKER = """
 import copy, json, os, torch, torch.distributed as dist, torchpatch
