@@ -5,7 +5,8 @@ process a test starts, twice for a 2-rank job. A fork server (tests/forkserver_b
 interpreter per (venv, environment) that started exactly as a fresh one does (torchpatch's ``.pth``
 start-up hook ran, with that environment's flags) and then ran ``import torch``; each process a
 test asks for is forked from it, takes its environment, arguments, working directory and output
-files, and runs the code as ``__main__``, ending as the interpreter ends. What that process sees
+files, and runs the code as ``__main__``, ending as an interpreter's exit begins (threads joined,
+atexit handlers) but without tearing modules down. What that process sees
 is what a fresh interpreter sees after ``import torch``: every other torch module, and the patches
 on it, are imported in the child for the first time.
 
@@ -14,8 +15,8 @@ statements import torch (after standard-library modules and torchpatch, at most)
 asks for no per-process report, and the test is not marked ``fresh_interpreter`` (activation,
 ``-I``/``-E``/``-S``, exit-time behaviour, the report, the summary line, launchers: what depends on
 a real interpreter start). Everything else, and everything when ``TORCHPATCH_TEST_FORK=0``, starts
-a fresh interpreter, as before. The environment variables a launcher sets per process (``RANK``,
-``MASTER_PORT``, ...) are set in the child; torch reads none of them at import.
+a fresh interpreter, as before. The environment variables a launcher or pytest sets per process
+(``RANK``, ``MASTER_PORT``, ``PYTEST_*``, ...) are set in the child; torch reads none of them at import.
 
 Differences that remain, by design: children share the server's hash seed (``PYTHONHASHSEED``) and
 numpy's global random state, and their parent is the server, not the test.
@@ -29,6 +30,7 @@ import collections
 import json
 import os
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -122,10 +124,10 @@ class ForkedProcess:
                 pass
 
     def terminate(self) -> None:
-        self._signal(15)
+        self._signal(signal.SIGTERM)
 
     def kill(self) -> None:
-        self._signal(9)
+        self._signal(signal.SIGKILL)
 
 
 class ForkServer:

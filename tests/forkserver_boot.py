@@ -46,7 +46,8 @@ def _recv_exactly(conn, size):
 
 def _serve():
     """Return a request (in a forked child) or never (the server exits with os._exit)."""
-    activation_set = {k: v for k, v in os.environ.items() if _initial_environment().get(k) != v}
+    initial = _initial_environment()
+    activation_set = {k: v for k, v in os.environ.items() if initial.get(k) != v}
     threads = len(os.listdir("/proc/self/task"))
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(_SOCKET)
