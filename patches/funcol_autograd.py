@@ -30,7 +30,10 @@ Fix:           where the dispatcher has no Autograd kernel for them, register th
                the result into the output (torch 2.4's all_gather into views of it), and that copy
                must not land on a tensor autograd already tracks. Natively torch 2.4 refuses it on
                whichever rank's copy came late ("A view was created in no_grad mode ..."), so one
-               rank ran the backward's collective alone and gloo aborted.
+               rank ran the backward's collective alone and gloo aborted; and its coalesced
+               all_reduce of tensors that require grad crashes a rank with SIGSEGV inside the op
+               now and then (2.4.1, 2 gloo ranks: at the 83rd and the 242nd of 6000 calls; with
+               the patch, 6000 calls without one).
 Upstream:      https://github.com/pytorch/pytorch/pull/168140 (fixes
                https://github.com/pytorch/pytorch/issues/152131; the silent-gradient report:
                https://github.com/pytorch/pytorch/issues/152127)

@@ -8,10 +8,13 @@ each rank its own weights back, reduce_scatter zeros for the chunks it did not k
 all_to_all_single with uneven splits and an all_reduce used without ``.wait()`` leave ``x.grad``
 None; with TORCHPATCH=1 all are right, forward values unchanged, and a backward through
 all_reduce("max") raises as in torch 2.13. On 2.13, 2.14 and 2.15 torch is right by itself and
-the patch is not applied. The coalesced all_reduce is checked the same way.
-all_gather_tensor (gather_dim 0 and 1) is checked only where fixed: unfixed it raises (loudly) on
-some ranks (torch 2.4's gloo all_gather of a tensor that requires grad, on whichever rank's result
-arrived after autograd took the output; the patch waits first, on CPU). test_patch_c10d_functional_ops
+the patch is not applied. all_gather_tensor (gather_dim 0 and 1) and the coalesced all_reduce are
+checked only where fixed: unfixed, all_gather raises (loudly) on some ranks (torch 2.4's gloo
+all_gather of a tensor that requires grad, on whichever rank's result arrived after autograd took the
+output; the patch waits first, on CPU), and all_reduce_coalesced of tensors that require grad crashes
+a rank now and then: SIGSEGV inside the op (torch 2.4.1, 2 gloo ranks: at the 83rd and the 242nd of
+6000 calls in a loop, and once in a few thousand runs of this script, CI's 2.4.1 session among
+them; 6000 calls with the patch, none). test_patch_c10d_functional_ops
 checks every op's gradient, the other coalesced ops included, against torch 2.13's (through
 ``torch.ops``: torch 2.13-2.15's own funcol.reduce_scatter_tensor_coalesced refuses its backward,
 "Output 0 of GeneratedBackwardFor__c10d_functional_wait_tensor_default is a view ...").
@@ -71,16 +74,17 @@ g = grad_of(x, (v[rank] * y).sum())
 out["all_to_all"] = g is not None and torch.equal(
     g, torch.cat([v[d].split([S[s][d] for s in range(world)])[rank] for d in range(world)]))
 
-# the coalesced all_reduce of two tensors (each weighted per rank)
-xs = [rand(rank, 4).requires_grad_(), rand(10 + rank, 2 * world, 2).requires_grad_()]
-ys = [waited(t) for t in funcol.all_reduce_coalesced(xs, "sum", G)]
-(rand(600 + rank, 4) * ys[0]).sum().add((rand(610 + rank, 2 * world, 2) * ys[1]).sum()).backward()
-out["all_reduce_coalesced"] = all(x.grad is not None for x in xs) and torch.equal(
-    xs[0].grad, sum(rand(600 + k, 4) for k in range(world))) and torch.equal(
-    xs[1].grad, sum(rand(610 + k, 2 * world, 2) for k in range(world)))
 import torchpatch
 version = tuple(int(p) for p in torch.__version__.split(".")[:2])
 fixed = version >= (2, 13) or torchpatch.status().get("funcol-autograd") == "applied"
+if fixed:  # unfixed, the coalesced all_reduce crashes a rank now and then (the module's docstring)
+    # the coalesced all_reduce of two tensors (each weighted per rank)
+    xs = [rand(rank, 4).requires_grad_(), rand(10 + rank, 2 * world, 2).requires_grad_()]
+    ys = [waited(t) for t in funcol.all_reduce_coalesced(xs, "sum", G)]
+    (rand(600 + rank, 4) * ys[0]).sum().add((rand(610 + rank, 2 * world, 2) * ys[1]).sum()).backward()
+    out["all_reduce_coalesced"] = all(x.grad is not None for x in xs) and torch.equal(
+        xs[0].grad, sum(rand(600 + k, 4) for k in range(world))) and torch.equal(
+        xs[1].grad, sum(rand(610 + k, 2 * world, 2) for k in range(world)))
 if fixed:  # unfixed, a gradient through all_gather raises (on some ranks)
     for dim in (0, 1):
         x = rand(rank, 2, 3).requires_grad_()
@@ -120,7 +124,7 @@ def test_native_gradients_are_wrong(env, tmp_path):
         assert out["status"] is None
         # the forward values are right; every gradient is wrong or missing
         assert [out[k] for k in ("all_reduce_value", "reduce_scatter_value", "all_to_all_value")] == [True] * 3, out
-        wrong = ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all", "all_reduce_coalesced")
+        wrong = ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all")
         assert [out[k] for k in wrong] == [False] * len(wrong), out
 
 
