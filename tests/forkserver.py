@@ -3,12 +3,13 @@
 Most of the suite's time was ``import torch`` (about 3.7 s of CPU on these cores), paid by every
 process a test starts, twice for a 2-rank job. A fork server (tests/forkserver_boot.py) is one
 interpreter per (venv, environment) that started exactly as a fresh one does (torchpatch's ``.pth``
-start-up hook ran, with that environment's flags) and then ran ``import torch``; each process a
-test asks for is forked from it, takes its environment, arguments, working directory and output
-files, and runs the code as ``__main__``, ending as an interpreter's exit begins (threads joined,
-atexit handlers) but without tearing modules down. What that process sees
-is what a fresh interpreter sees after ``import torch``: every other torch module, and the patches
-on it, are imported in the child for the first time.
+start-up hook ran, with that environment's flags) and then ran ``import torch`` and
+``import torch._dynamo`` (which torch's DTensor, FSDP2, DCP and pipelining import: about half of their
+import's CPU time); each process a test asks for is forked from it, takes its environment, arguments,
+working directory and output files, and runs the code as ``__main__``, ending as an interpreter's exit
+begins (threads joined, atexit handlers) but without tearing modules down. What that process sees
+is what a fresh interpreter sees after ``import torch, torch._dynamo``: every other torch module, and
+the patches on it, are imported in the child for the first time.
 
 So a process is forked only where that is the same thing (:func:`forkable`): the code's first
 statements import torch (after standard-library modules and torchpatch, at most), the environment
@@ -18,8 +19,10 @@ a real interpreter start). Everything else, and everything when ``TORCHPATCH_TES
 a fresh interpreter, as before. The environment variables a launcher or pytest sets per process
 (``RANK``, ``MASTER_PORT``, ``PYTEST_*``, ...) are set in the child; torch reads none of them at import.
 
-Differences that remain, by design: children share the server's hash seed (``PYTHONHASHSEED``) and
-numpy's global random state, and their parent is the server, not the test.
+Differences that remain, by design: ``torch._dynamo`` is imported in a child whose code never imports
+it (a test that asserts what a process imports, or when, is marked ``fresh_interpreter``); children
+share the server's hash seed (``PYTHONHASHSEED``) and numpy's global random state, and their parent is
+the server, not the test.
 """
 
 from __future__ import annotations

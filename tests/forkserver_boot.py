@@ -2,11 +2,12 @@
 
 It starts as a fresh interpreter of the venv does, in the environment the client gave it:
 torchpatch's start-up hook runs (activation with that environment's ``TORCHPATCH*`` flags), then it
-imports ``torch``, so each torch module's patches apply in it exactly when a fresh interpreter
-running ``import torch`` would apply them. Then it forks one child per request; the child takes the
+imports ``torch`` and ``torch._dynamo`` (where torch has it), so each of their modules' patches apply
+in it exactly when a fresh interpreter importing them would apply them. Then it forks one child per request; the child takes the
 request's environment, arguments, working directory and output files, and runs the code as
 ``__main__``; it ends as the interpreter's exit does (SystemExit, uncaught exceptions, non-daemon
-threads, atexit handlers) but leaves without tearing modules down (``_exit``). Only modules that ``import torch`` loads anyway are imported before it.
+threads, atexit handlers) but leaves without tearing modules down (``_exit``). Only modules that
+``import torch`` and ``import torch._dynamo`` load anyway are imported before it.
 
 argv: the socket path, the ready pipe's write end, the lifeline pipe's read end (EOF: exit).
 """
@@ -15,6 +16,12 @@ import os
 import sys
 
 import torch  # noqa: F401  (the point: what every child starts with)
+
+try:  # half of the CPU time of a DTensor, FSDP2, DCP or pipelining import, which all import it
+    import torch._dynamo  # noqa: F401
+except ModuleNotFoundError as exc:  # torch 1.13 has none
+    if exc.name != "torch._dynamo":
+        raise
 
 import json
 import select
