@@ -3,9 +3,9 @@
 It starts as a fresh interpreter of the venv does, in the environment the client gave it:
 torchpatch's start-up hook runs (activation with that environment's ``TORCHPATCH*`` flags), then it
 imports ``torch`` and ``torch._dynamo`` (where torch has it), so each of their modules' patches apply
-in it exactly when a fresh interpreter importing them would apply them. Then it forks one child per request; the child takes the
-request's environment, arguments, working directory and output files, and runs the code as
-``__main__``; it ends as the interpreter's exit does (SystemExit, uncaught exceptions, non-daemon
+in it exactly when a fresh interpreter importing them would apply them. Then it forks one child per
+request; the child takes the request's environment, arguments, working directory and output files,
+and runs the code as ``__main__``; it ends as the interpreter's exit does (SystemExit, uncaught exceptions, non-daemon
 threads, atexit handlers) but leaves without tearing modules down (``_exit``). Only modules that
 ``import torch`` and ``import torch._dynamo`` load anyway are imported before it.
 

@@ -77,7 +77,8 @@ out["all_to_all"] = g is not None and torch.equal(
 import torchpatch
 version = tuple(int(p) for p in torch.__version__.split(".")[:2])
 fixed = version >= (2, 13) or torchpatch.status().get("funcol-autograd") == "applied"
-if fixed:  # unfixed, the coalesced all_reduce crashes a rank now and then (the module's docstring)
+if fixed:  # unfixed, the coalesced all_reduce crashes a rank now and then and a gradient through
+    # all_gather raises on some ranks (the module's docstring)
     # the coalesced all_reduce of two tensors (each weighted per rank)
     xs = [rand(rank, 4).requires_grad_(), rand(10 + rank, 2 * world, 2).requires_grad_()]
     ys = [waited(t) for t in funcol.all_reduce_coalesced(xs, "sum", G)]
@@ -85,7 +86,6 @@ if fixed:  # unfixed, the coalesced all_reduce crashes a rank now and then (the 
     out["all_reduce_coalesced"] = all(x.grad is not None for x in xs) and torch.equal(
         xs[0].grad, sum(rand(600 + k, 4) for k in range(world))) and torch.equal(
         xs[1].grad, sum(rand(610 + k, 2 * world, 2) for k in range(world)))
-if fixed:  # unfixed, a gradient through all_gather raises (on some ranks)
     for dim in (0, 1):
         x = rand(rank, 2, 3).requires_grad_()
         y = waited(funcol.all_gather_tensor(x, dim, G))
