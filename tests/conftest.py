@@ -130,6 +130,26 @@ def pytest_collection_modifyitems(items: list) -> None:
     first = {name: i for i, name in enumerate(COLLECTED_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(COLLECTED_FIRST)))  # stable: the rest keep their order
 
+
+# Where a session's time goes, per test file (setup, call and teardown summed over its tests): printed
+# at the end of each session, beside pytest's ``--durations`` of single tests.
+_FILE_SECONDS: Dict[str, float] = {}
+FILES_SHOWN = 12
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not _FILE_SECONDS:
+        return
+    total = sum(_FILE_SECONDS.values())
+    terminalreporter.write_sep("=", f"test time per file ({total:.0f} s over all workers), the {FILES_SHOWN} longest")
+    for path, seconds in sorted(_FILE_SECONDS.items(), key=lambda item: -item[1])[:FILES_SHOWN]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {path}")
+
 # The end of a rank script (append it to the script's text): meet at a barrier, then leave without the
 # process-group teardown. torch 2.1/2.4's gloo destroy_process_group() can hang on one rank even after
 # a barrier, with or without torchpatch: 2 of 16 runs of test_patch_dtensor_partial's script on 2.4.1,

@@ -5,11 +5,16 @@ exactly with the same computation on the inputs (every rank can make every rank'
 ``AsyncAllGatherForTwo`` forward (``F.linear(all_gather_tensor(x.unsqueeze(0), 0, group)[1 - rank].view(...),
 w, b)`` inside an autograd.Function), the other rank's ``chunk`` of a gather, transposed and copied, and
 an ``all_reduce`` result from its second row on. Rank 1 joins each collective late: it waits (up to
-WINDOW seconds) until rank 0 has read its result. So on torch 2.1 without the patch rank 0 reads the
+``window`` seconds) until rank 0 has read its result. So on torch 2.1 without the patch rank 0 reads the
 buffer before rank 1's data are in it, in every step, deterministically (no race to win); with the
 patch rank 0's read waits for the collective, rank 1 joins when its wait times out, and every value
 is right. On torch 2.4.1+ (native functional collectives) the patch is not applied and the same script
 is right, natively too; on 1.13 torchpatch's own synchronous functional collectives are right.
+
+Rank 1's lateness is a margin for rank 0 to get to its read, a wait that a right read always pays in
+full: 2 s on torch 2.1, where the native run's wrong read is asserted and a busy machine must not make
+rank 0 miss it; 0.5 s on the other torches, which assert right values only (a slower rank 0 can weaken
+that check for one step, never fail it), 12 s a run less.
 """
 
 import pytest
@@ -19,14 +24,14 @@ from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank
 ID = "funcol-view-wait"
 STEPS = 2
 
-SCRIPT = """import datetime, json, torch, torch.distributed as dist
+SCRIPT = """
 import torch.nn.functional as F
 from torch.distributed._functional_collectives import all_gather_tensor, all_reduce
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, world = dist.get_rank(), dist.get_world_size()
 group = dist.group.WORLD
 store = dist.PrefixStore("funcol-view-wait", dist.distributed_c10d._get_default_store())
-WINDOW = datetime.timedelta(seconds=2)
+WINDOW = datetime.timedelta(seconds=WINDOW_S)
 B, S, H = 2, 8, 16
 w = torch.randn(24, H, generator=torch.Generator().manual_seed(7))
 b = torch.randn(24, generator=torch.Generator().manual_seed(8))
@@ -84,7 +89,11 @@ dist.all_gather_object(gathered, out)
 if rank == 0:
     print(RESULT + json.dumps(gathered), flush=True)
 """
-SCRIPT = f"RESULT, PATCH_ID, STEPS = {RESULT!r}, {ID!r}, {STEPS}\n" + SCRIPT + LEAVE_WITHOUT_TEARDOWN
+# rank 1's lateness in seconds where the patch applies (torch 2.1) and elsewhere (module docstring)
+WINDOW_S = 2.0 if torch_matches(">=2.1,<2.2") else 0.5
+# (torch first: the suite forks a script whose first statements import torch, tests/forkserver.py)
+SCRIPT = ("import datetime, json, torch, torch.distributed as dist\n"
+          f"RESULT, PATCH_ID, STEPS, WINDOW_S = {RESULT!r}, {ID!r}, {STEPS}, {WINDOW_S}" + SCRIPT + LEAVE_WITHOUT_TEARDOWN)
 
 
 RIGHT = {name: [[True, 0.0]] * STEPS for name in ("opendit", "remote_chunk", "reduced_slice")}

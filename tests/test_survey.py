@@ -200,22 +200,27 @@ def test_expected_outcomes(result, package):
 
 
 def test_fork_isolation_matches_fresh_interpreters(result):
-    """The survey forks each import from a server that imported torch; a fresh interpreter per module
-    (the definition of the survey) must give the same outcome. One module per package, both modes: one
-    whose outcome TORCHPATCH changes, else one that fails, else the entry point."""
+    """The survey forks each import from a server that imported torch (or from a child of it that
+    imported the module's top-level package); a fresh interpreter per module (the definition of the
+    survey) must give the same outcome. Both modes of one module of each package that has one whose
+    outcome TORCHPATCH changes, else one that fails; where no package has either, the first package's
+    entry point (each fresh import pays torch's: 3-6 s)."""
     sample = []
     for name, pkg in result.packages.items():
         off, on = pkg.results["off"], pkg.results["on"]
         changed = [m for m in pkg.modules if off[m].ok != on[m].ok]
         failing = [m for m in pkg.modules if not off[m].ok]
-        entry = [m for m in pkg.modules if m.rsplit(".", 1)[-1] == "train"]
-        sample.append((name, (changed or failing or entry)[0]))
+        if changed or failing:
+            sample.append((name, (changed or failing)[0]))
+    if not sample:
+        name, pkg = next(iter(result.packages.items()))
+        sample.append((name, next(m for m in pkg.modules if m.rsplit(".", 1)[-1] == "train")))
     jobs = [(name, module, mode) for name, module in sample for mode in survey.MODES]
     with ThreadPoolExecutor(max_workers=2) as pool:
         fresh = list(pool.map(lambda j: survey.import_fresh(sys.executable, j[0], j[1], j[2] == "on")[0], jobs))
     for (name, module, mode), got in zip(jobs, fresh):
         forked = result.packages[name].results[mode][module]
-        assert (got.ok, got.error) == (forked.ok, forked.error), (name, module, mode)
+        assert (got.ok, got.error, got.where) == (forked.ok, forked.error, forked.where), (name, module, mode)
 
 
 # Features that cannot be backported, which the fixtures meet (context parallelism inside a
