@@ -92,5 +92,6 @@ def test_only_code_that_imports_torch_first_is_forked(source, forked):
 @pytest.mark.skipif(not forkserver.ENABLED, reason="TORCHPATCH_TEST_FORK=0 or not Linux")
 @pytest.mark.fresh_interpreter
 def test_a_test_marked_fresh_interpreter_forks_nothing(tmp_path):
-    forked, _ = both(PROBE, clean_env(), str(tmp_path))
-    assert json.loads(forked.stdout.splitlines()[-1])["parent_is_the_test"] is True
+    cmd = [sys.executable, "-c", textwrap.dedent(PROBE), str(os.getpid()), "x"]
+    proc = forkserver.run(cmd, env=clean_env(), cwd=str(tmp_path), timeout=120)
+    assert json.loads(proc.stdout.splitlines()[-1])["parent_is_the_test"] is True

@@ -7,8 +7,8 @@ from conftest import clean_env, run_py
 
 SURVEY = """
 import importlib, json, pkgutil, sys, warnings
-warnings.simplefilter("ignore")
 import torch, torch.distributed
+warnings.simplefilter("ignore")
 names = {"torch._six"}
 def note(name):
     pass

@@ -13,8 +13,8 @@ HERE = [e for e in TABLE if torch_matches(e["torch"])]
 
 PROBE = """
 import importlib, json, sys, warnings
-warnings.simplefilter("ignore")
 import torch
+warnings.simplefilter("ignore")
 out = {}
 for name, target, qualnames in json.loads(sys.argv[1]):
     try:

@@ -9,9 +9,11 @@ import stat
 
 import pytest
 
-from conftest import TORCH, clean_env, plugin_env, run_json, run_py, run_ranks
+from conftest import ARM, TORCH, clean_env, plugin_env, run_json, run_py, run_ranks
 
 pytestmark = pytest.mark.fresh_interpreter  # each process's report, from activation to its last write at exit
+# Where what is tested is the report's file (its directory, mode, command line), the process activates
+# torchpatch by looking torch up (ARM) instead of importing it: the same activation, without torch's import.
 from torchpatch import _report
 
 # Each rank uses one served symbol of the demo plugin (tp_target.Served) and never touches another
@@ -119,7 +121,7 @@ def test_an_unwritable_directory_is_one_warning_and_never_an_error(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     for strict in ("0", "1"):
-        proc = run_py("import torch", env=clean_env(TORCHPATCH="1", TORCHPATCH_STRICT=strict,
+        proc = run_py(ARM, env=clean_env(TORCHPATCH="1", TORCHPATCH_STRICT=strict,
                                                      TORCHPATCH_REPORT=str(blocker / "reports")))
         assert proc.returncode == 0, proc.stderr
         warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH_REPORT" in line]
@@ -130,7 +132,7 @@ def test_an_unwritable_directory_is_one_warning_and_never_an_error(tmp_path):
 
 def test_a_report_is_its_owners_alone_whatever_the_umask(tmp_path):
     out = tmp_path / "made"
-    proc = run_py("import os; os.umask(0); import torch", env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(out)))
+    proc = run_py("import os; os.umask(0)\n" + ARM, env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(out)))
     assert proc.returncode == 0, proc.stderr
     (path,) = out.iterdir()
     assert (stat.S_IMODE(out.stat().st_mode), stat.S_IMODE(path.stat().st_mode)) == (0o700, 0o600)
@@ -193,7 +195,7 @@ def test_a_folder_others_can_write_is_one_warning_and_no_report(tmp_path, strict
     shared.mkdir()
     shared.chmod(0o777)
     env = clean_env(TORCHPATCH="1", TORCHPATCH_STRICT=strict, TORCHPATCH_REPORT=str(shared))
-    proc = run_py("import torch", env=env)
+    proc = run_py(ARM, env=env)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "TORCHPATCH_REPORT" in line]
     assert len(warnings) == 1, proc.stderr
@@ -202,14 +204,14 @@ def test_a_folder_others_can_write_is_one_warning_and_no_report(tmp_path, strict
             " of yours that only you can write (or one with the sticky bit, chmod +t), or unset it") in warnings[0]
     assert list(shared.iterdir()) == []
     shared.chmod(0o1777)  # as /tmp: others may write into it, but not replace this user's files
-    assert "TORCHPATCH_REPORT" not in run_py("import torch", env=env).stderr and len(list(shared.iterdir())) == 1
+    assert "TORCHPATCH_REPORT" not in run_py(ARM, env=env).stderr and len(list(shared.iterdir())) == 1
 
 
 @pytest.mark.parametrize("value, argv, warned", [(None, ["-c", "--token=SECRET"], False), ("1", ["-c", "--token=SECRET"], False),
                                                  ("0", None, False), ("maybe", None, True)])
 def test_the_command_line_is_in_the_report_unless_left_out(tmp_path, value, argv, warned):
     env = clean_env(TORCHPATCH="1", TORCHPATCH_REPORT=str(tmp_path), TORCHPATCH_REPORT_ARGV=value)
-    proc = run_py("import torch", args=["--token=SECRET"], env=env)
+    proc = run_py(ARM, args=["--token=SECRET"], env=env)
     assert proc.returncode == 0, proc.stderr
     (report,) = reports(tmp_path).values()
     assert report["argv"] == argv
@@ -218,7 +220,7 @@ def test_the_command_line_is_in_the_report_unless_left_out(tmp_path, value, argv
 
 def test_a_relative_directory_is_taken_at_activation(tmp_path):
     (tmp_path / "elsewhere").mkdir()
-    proc = run_py("import os, torch; os.chdir('elsewhere')", env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT="out"),
+    proc = run_py(ARM + "import os; os.chdir('elsewhere')", env=clean_env(TORCHPATCH="1", TORCHPATCH_REPORT="out"),
                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert len(list((tmp_path / "out").iterdir())) == 1 and not (tmp_path / "elsewhere" / "out").exists()
