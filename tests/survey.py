@@ -178,12 +178,18 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
         os.waitpid(pid, 0)
         return served
 
+    def under(package, name):
+        # the module right under package ("": the top level) that name is or lies in; package for itself
+        if name == package:
+            return name
+        first = (name[len(package) + 1:] if package else name).split(".")[0]
+        return package + "." + first if package else first
+
     def serve_all(path, package, names, served):
         # every name, in a process that imported package ("": the server)
         groups = {}
         for name in names:
-            head = name if name == package else name[len(package) + 1 if package else 0:].split(".")[0]
-            groups.setdefault(name if name == package else (package + "." if package else "") + head, []).append(name)
+            groups.setdefault(under(package, name), []).append(name)
         for key, members in groups.items():
             done = serve_under(path, key, members) if len(members) > 1 else set()
             for name in members:
