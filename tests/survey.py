@@ -22,12 +22,13 @@ the module and reports. Each module is still imported in a process of its own, o
 alone: every surveyed module imports torch first, and torch's own DTensor, DCP, FSDP2 and pipelining
 import ``torch._dynamo`` (1.7-2.8 s of CPU a process). The
 ``.pth`` hook started torchpatch in the server as it would in a fresh interpreter, and patches apply
-as their torch modules are imported, in the server or in the child. Modules that share a top-level
-package are forked from a child that imported that package first (``import a.b`` imports ``a``
-before ``a.b``, so it is where a fresh interpreter would be): torchtitan's package imports everything
-it has (datasets, inductor, tensorboard: 4.4 s of CPU on torch 2.15), which a child per module paid
-again each time (200 s for torchtitan 0.1.0's survey on one torch; 25 s now). Where the package does
-not import, each module is forked from the server alone, as before. The test suite checks a sample
+as their torch modules are imported, in the server or in the child. Modules that share a package
+are forked from a child that imported that package first, recursively (``import a.b.c`` imports ``a``
+and ``a.b`` before ``a.b.c``, so it is where a fresh interpreter would be): torchtitan's package
+imports everything it has (datasets, inductor, tensorboard: 4.4 s of CPU on torch 2.15), which a child
+per module paid again each time (200 s for torchtitan 0.1.0's survey on one torch; 25 s now). Where a
+package does not import, every module under it fails with its error, as a fresh import would (the
+server's comment below says more). The test suite checks a sample
 of modules in ``fresh`` isolation against ``fork``. Two workers by default.
 """
 
@@ -130,12 +131,16 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
         if exc.name != "torch._dynamo":
             raise
     TIMEOUT = int(sys.argv[1])
+    END = %r
     entered = False
+
+    def root(path):
+        return path.split(os.pathsep)[0]
 
     def enter(path):
         global entered
         if not entered:
-            os.chdir(path.split(os.pathsep)[0])
+            os.chdir(root(path))
             sys.path[1:1] = path.split(os.pathsep)
             entered = True
 
@@ -149,10 +154,10 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
         if pid == 0:
             signal.alarm(TIMEOUT)
             enter(path)
-            print(probe(name, path.split(os.pathsep)[0])[1], flush=True)
+            print(probe(name, root(path))[1], flush=True)
             os._exit(0)
         _, status = os.waitpid(pid, 0)
-        print(%r + f"{status} {name}", flush=True)
+        print(END + f"{status} {name}", flush=True)
 
     def serve_under(path, package, names):
         # the names that a child which imported package served (none where its process died)
@@ -162,14 +167,14 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
             os.close(done_r)
             signal.alarm(TIMEOUT)
             enter(path)
-            ok, report = probe(package, path.split(os.pathsep)[0])
+            ok, report = probe(package, root(path))
             signal.alarm(0)
             served = lambda name: os.write(done_w, (name + "\\n").encode())
             if ok:
                 serve_all(path, package, names, served)
             else:  # importing any module under it raises the package's error, in a fresh interpreter too
                 for name in names:
-                    print(report + "\\n" + %r + f"0 {name}", flush=True)
+                    print(report + "\\n" + END + f"0 {name}", flush=True)
                     served(name)
             os._exit(0)
         os.close(done_w)
@@ -202,7 +207,7 @@ _SERVER = _PROBE_FUNCTION + textwrap.dedent(
         path, names = line.rstrip("\\n").split("\\t")
         serve_all(path, "", names.split(), lambda name: None)
     """
-    % (MARK + "END ", MARK + "END ", MARK + "READY ")
+    % (MARK + "END ", MARK + "READY ")
 )
 
 

@@ -38,9 +38,14 @@ print(json.dumps({
 """
 
 
+def command(code):
+    """``python -c code <test pid> x``."""
+    return [sys.executable, "-c", textwrap.dedent(code), str(os.getpid()), "x"]
+
+
 def both(code, env, cwd):
-    """(forked, fresh) results of ``python -c code <test pid> x``."""
-    cmd = [sys.executable, "-c", textwrap.dedent(code), str(os.getpid()), "x"]
+    """(forked, fresh) results of :func:`command`."""
+    cmd = command(code)
     forked = forkserver.run(cmd, env=env, cwd=cwd, timeout=120)
     fresh = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
     return forked, fresh
@@ -92,6 +97,5 @@ def test_only_code_that_imports_torch_first_is_forked(source, forked):
 @pytest.mark.skipif(not forkserver.ENABLED, reason="TORCHPATCH_TEST_FORK=0 or not Linux")
 @pytest.mark.fresh_interpreter
 def test_a_test_marked_fresh_interpreter_forks_nothing(tmp_path):
-    cmd = [sys.executable, "-c", textwrap.dedent(PROBE), str(os.getpid()), "x"]
-    proc = forkserver.run(cmd, env=clean_env(), cwd=str(tmp_path), timeout=120)
+    proc = forkserver.run(command(PROBE), env=clean_env(), cwd=str(tmp_path), timeout=120)
     assert json.loads(proc.stdout.splitlines()[-1])["parent_is_the_test"] is True

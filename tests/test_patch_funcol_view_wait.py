@@ -5,7 +5,7 @@ exactly with the same computation on the inputs (every rank can make every rank'
 ``AsyncAllGatherForTwo`` forward (``F.linear(all_gather_tensor(x.unsqueeze(0), 0, group)[1 - rank].view(...),
 w, b)`` inside an autograd.Function), the other rank's ``chunk`` of a gather, transposed and copied, and
 an ``all_reduce`` result from its second row on. Rank 1 joins each collective late: it waits (up to
-``window`` seconds) until rank 0 has read its result. So on torch 2.1 without the patch rank 0 reads the
+``WINDOW`` seconds) until rank 0 has read its result. So on torch 2.1 without the patch rank 0 reads the
 buffer before rank 1's data are in it, in every step, deterministically (no race to win); with the
 patch rank 0's read waits for the collective, rank 1 joins when its wait times out, and every value
 is right. On torch 2.4.1+ (native functional collectives) the patch is not applied and the same script

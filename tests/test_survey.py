@@ -201,7 +201,7 @@ def test_expected_outcomes(result, package):
 
 def test_fork_isolation_matches_fresh_interpreters(result):
     """The survey forks each import from a server that imported torch (or from a child of it that
-    imported the module's top-level package); a fresh interpreter per module (the definition of the
+    imported the packages the module lies in); a fresh interpreter per module (the definition of the
     survey) must give the same outcome. Both modes of one module of each package that has one whose
     outcome TORCHPATCH changes, else one that fails; where no package has either, the first package's
     entry point (each fresh import pays torch's: 3-6 s)."""
