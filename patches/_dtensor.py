@@ -1,6 +1,6 @@
 """Where DTensor's pieces live on each torch, for the DTensor patches (not a patch itself)."""
 
-from typing import Any, Tuple
+from typing import Any, Callable, Tuple
 
 # OpDispatcher's module: torch 2.2-2.4, then 2.5 and later.
 DISPATCH_MODULES = ("torch.distributed._tensor._dispatch", "torch.distributed.tensor._dispatch")
@@ -33,3 +33,24 @@ def sharding_propagator() -> Any:
     except ImportError:  # torch 2.2-2.4
         from torch.distributed._tensor.api import DTensor
     return DTensor._op_dispatcher.sharding_propagator
+
+
+def set_strategy(patcher: Any, op: Any, strategy: Callable[..., Any], schema_info: Any = None) -> None:
+    """Register ``strategy`` as ``op``'s sharding strategy in DTensor's propagator (with
+    ``schema_info`` where the op had no strategy), undone by ``patcher``."""
+    propagator = sharding_propagator()
+    funcs, infos = propagator.op_strategy_funcs, propagator.op_to_schema_info
+    if op in funcs:
+        patcher.on_undo(lambda original=funcs[op]: funcs.__setitem__(op, original))
+    else:
+        patcher.on_undo(lambda: (funcs.pop(op, None), infos.pop(op, None)))
+        if schema_info is not None:
+            infos[op] = schema_info
+    funcs[op] = strategy
+
+
+def forget_shardings() -> None:
+    """Drop the shardings DTensor cached before a strategy changed (none, normally)."""
+    cache = getattr(sharding_propagator().propagate_op_sharding, "cache_clear", None)
+    if cache is not None:
+        cache()

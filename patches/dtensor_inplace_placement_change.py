@@ -12,45 +12,55 @@ What breaks:   ``dt.clamp_(max=2)``, ``dt.exp_()``, ``dt.abs_()``, ``dt.neg_()``
                skips the clip), with no error (issue #163374: ``clamp_(max=2)`` of a partial 144
                stays 144).
 Torch:         torch 2.4.1 and 2.9.0 drop the write (2.9 keeps ``mul_`` right, 2.4 drops it too; 2.4
-               has no strategy for ``_foreach_div_.Scalar``/``.Tensor`` and fails on them); torch
-               2.13.0, 2.14.1 and 2.15.0 multiply, divide and negate a ``Partial("sum")`` or
-               ``Partial("avg")`` in place by a number or a replicated tensor, keeping the
-               ``Partial`` (these ops are linear: (a1 + a2) * c = a1 * c + a2 * c), and raise
-               ``RuntimeError: aten.exp_.default: in-place operations that require placement
-               changes are not supported`` for the others. A torch whose DTensor op utilities
-               already carry that message is left alone; a torch whose pointwise strategies are
-               torch 2.12's single-dim rules (which keep the ``Partial`` of linear ops) keeps its own.
-Fix:           (1) the in-place ``mul_``, ``div_`` (by a number, a 0-dim or a replicated tensor),
-               ``neg_`` and their foreach forms get torch 2.13's rule in the sharding strategy:
-               a ``Partial("sum")``/``Partial("avg")`` of ``self`` is kept (the other operands
-               replicated), so nothing is redistributed and the op runs on the DTensor's own local
-               tensor. (2) before DTensor redistributes the arguments of any other in-place op (a
-               schema name ending in ``_``), the placements asked for its first argument (each
-               tensor of the list, for the foreach ops) are compared with the ones it has; if they
-               differ, the same ``RuntimeError`` as torch 2.13's is raised, naming both
-               placements. In-place ops that keep ``self``'s placements (``add_`` of partials,
-               ``zero_``, ...) run as before.
+               has no strategy for ``_foreach_div_.Scalar``/``.Tensor`` and fails on them; 2.9's
+               ``copy_`` of a partial into a partial is dropped too). torch 2.13.0, 2.14.1 and
+               2.15.0 keep the ``Partial`` of ``self`` where their pointwise rules allow it: a
+               ``Partial("sum"/"avg")`` multiplied, divided (by a number or a replicated tensor) or
+               negated (linear: (a1 + a2) * c = a1 * c + a2 * c); a sum or average plus or minus
+               one of its kind, an average, max or min plus or minus a replicated tensor (not a
+               number); a ``Partial("max"/"min")`` through a non-decreasing function (``exp_``,
+               ``relu_``, ``sigmoid_``, ``floor_``, ``tanh_``, ...: f(max(a1, a2)) = max(f(a1),
+               f(a2))); ``copy_`` of a partial of the same kind. For the others (``exp_`` of a sum,
+               ``neg_`` of a max, a number added to any ``Partial``) they raise ``RuntimeError:
+               aten.exp_.default: in-place operations that require placement changes are not
+               supported. The input has placement (Partial(sum),), but no valid strategy preserves
+               this placement. ...``. A torch whose DTensor op utilities already carry that
+               message is left alone; a torch whose pointwise strategies are torch 2.12's
+               single-dim rules (which keep these Partials) keeps its own.
+Fix:           (1) those in-place ops (and their foreach forms) get torch 2.13's rules in their
+               sharding strategy: where torch would reduce ``self``'s ``Partial`` (or keeps it but
+               asks an operand for a Partial the rule does not allow), the ``Partial`` is kept and
+               the other operands take a placement the rule allows (replicated, or the same
+               ``Partial`` for a replicated operand added to a sum), so ``self`` is not
+               redistributed and the op runs on the DTensor's own local tensor. (2) before DTensor
+               redistributes the arguments of any other in-place op (a schema name ending in
+               ``_``), the placements asked for its first argument (each tensor of the list, for
+               the foreach ops) are compared with the ones it has; if they differ, torch 2.13's
+               ``RuntimeError`` is raised in its words (and what this torch would have done). In-place
+               ops that keep ``self``'s placements (``add_`` of partials, ``zero_``, ...) run as before.
 Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); torch 2.13 raises from
                its single-dim strategy expansion (https://github.com/pytorch/pytorch/pull/172477)
-               and keeps the ``Partial`` of linear ops by its pointwise rules (``_MUL_RULES``,
-               ``_DIV_RULES``, ``_NEG_RULES``, ``scalar_linear_ops``)
+               and keeps these Partials by its pointwise rules (``_MUL_RULES``, ``_DIV_RULES``,
+               ``_NEG_RULES``, ``scalar_linear_ops``, ``_BINARY_ADDITIVE_RULES``,
+               ``_NON_DECREASING_RULES``, ``_ALL_PARTIAL_BINARY_PRESERVING_RULES``)
 """
 
 import dataclasses
 import os
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import DISPATCH_MODULES, POINTWISE_MODULES, sharding_propagator
+from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, placement_types, set_strategy,
+                                         sharding_propagator)
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
     summary="in-place DTensor ops that would redistribute their own input compute as on torch 2.13 "
-    "(mul_/div_/neg_ keep a Partial, the others raise) instead of leaving it unchanged, torch 2.2-2.12",
+    "(keep a Partial where its rules do, else raise) instead of leaving it unchanged, torch 2.2-2.12",
     torch=">=2.2,<2.13",
     upstream="https://github.com/pytorch/pytorch/issues/163374",
-    behaviour="partial_dtensor.exp_()/.neg_(), _foreach_mul_(partials, c) and other in-place ops needing a placement change",
+    behaviour="partial_dtensor.exp_()/.neg_()/.add_(x), _foreach_mul_(partials, c) and other in-place ops needing a placement change",
     category="correctness",
 )
 
@@ -72,10 +82,11 @@ def _refuse_self_redistribution(wrapped: Callable[..., Any], instance: Any, args
             if tuple(have.placements) != tuple(want.placements):
                 raise RuntimeError(
                     f"{schema.op}: {_UPSTREAM_MESSAGE} are not supported. The input has placement "
-                    f"{tuple(have.placements)}, but the op needs {tuple(want.placements)}: it would run on a "
-                    "redistributed copy and leave the DTensor unchanged (torchpatch "
-                    "dtensor-inplace-placement-change; torch >= 2.13 raises too). Please use the "
-                    "out-of-place version of this operation instead.")
+                    f"{tuple(have.placements)}, but no valid strategy preserves this placement. Please use "
+                    "the out-of-place version of this operation instead. (torchpatch "
+                    "dtensor-inplace-placement-change: torch 2.13 and later raise this error; this torch would "
+                    f"run the op on a copy redistributed to {tuple(want.placements)} and leave the DTensor "
+                    "unchanged.)")
     return wrapped(*args, **kwargs)
 
 
@@ -104,102 +115,183 @@ def refuse_inplace_redistribution(patcher: Patcher, dispatch: ModuleType) -> boo
     return True
 
 
-# In-place ops linear in ``self`` (the other operands replicated): torch 2.13 keeps a Partial("sum") or
-# Partial("avg") of ``self`` through them (its _MUL_RULES, _DIV_RULES, _NEG_RULES, scalar_linear_ops).
-_LINEAR_INPLACE = {"mul_": ("Tensor", "Scalar"), "div_": ("Tensor", "Scalar"), "neg_": ("default",),
-                   "_foreach_mul_": ("Scalar", "ScalarList", "Tensor", "List"),
-                   "_foreach_div_": ("Scalar", "ScalarList", "Tensor", "List"),
-                   "_foreach_neg_": ("default",)}
-_LINEAR_REDUCE_OPS = ("sum", "avg")
+# torch 2.13's sharding rules for in-place ops that keep a Partial of ``self`` (its _MUL_RULES,
+# _DIV_RULES, _NEG_RULES, scalar_linear_ops, _BINARY_ADDITIVE_RULES, _NON_DECREASING_RULES): for each
+# reduction of ``self``'s Partial kept, the placements the other tensor operands may take on that mesh
+# dim ("R": replicated, "P": the same Partial; none: the op has no other operand).
+_LINEAR = {"sum": "R", "avg": "R"}  # (a1 + a2) * c = a1 * c + a2 * c
+_ADDITIVE = {"sum": "P", "avg": "PR", "max": "R", "min": "R"}  # max(a1, a2) + c = max(a1 + c, a2 + c)
+_NON_DECREASING = {"max": "", "min": ""}  # f(max(a1, a2)) = max(f(a1), f(a2))
+_ALL = ("default",)
+_KEPT: Dict[str, Tuple[Tuple[str, ...], Dict[str, str]]] = {
+    "mul_": (("Tensor", "Scalar"), _LINEAR),
+    "div_": (("Tensor", "Scalar"), _LINEAR),
+    "neg_": (_ALL, _LINEAR),
+    "_foreach_mul_": (("Scalar", "ScalarList", "Tensor", "List"), _LINEAR),
+    "_foreach_div_": (("Scalar", "ScalarList", "Tensor", "List"), _LINEAR),
+    "_foreach_neg_": (_ALL, _LINEAR),
+    "add_": (("Tensor",), _ADDITIVE),  # of a tensor: adding a number keeps no Partial
+    "sub_": (("Tensor",), _ADDITIVE),
+    "_foreach_add_": (("List",), _ADDITIVE),
+    "_foreach_sub_": (("List",), _ADDITIVE),
+    "_foreach_exp_": (_ALL, _NON_DECREASING),
+    "_foreach_clamp_max_": (("Scalar",), _NON_DECREASING),
+    "_foreach_clamp_min_": (("Scalar",), _NON_DECREASING),
+    "round_": (("default", "decimals"), _NON_DECREASING),
+    **{f"{name}_": (_ALL, _NON_DECREASING) for name in (
+        "asinh", "atan", "ceil", "deg2rad", "erf", "exp", "exp2", "expm1", "floor", "nan_to_num", "rad2deg",
+        "relu", "sgn", "sigmoid", "sign", "sinh", "tanh", "trunc")},
+}
+_OPERAND_NEEDED = {"add_", "sub_", "_foreach_add_", "_foreach_sub_"}
 
 
 def _children(strategy: Any) -> Any:
     """A foreach op's per-tensor strategies (``childs`` before torch 2.5), or None for one tensor."""
-    return getattr(strategy, "children", getattr(strategy, "childs", None))
+    children = getattr(strategy, "children", None)
+    return children if children is not None else getattr(strategy, "childs", None)  # no 2.9 FutureWarning
 
 
-def _linear_partial(placement: Any) -> bool:
-    return (placement.is_partial() and getattr(placement, "reduce_op", None) in _LINEAR_REDUCE_OPS
-            and not hasattr(placement, "norm_type"))  # a _NormPartial holds norms, not summands
+def _reduction(placement: Any) -> Optional[str]:
+    """The reduction of a plain ``Partial`` ("sum", "avg", "max", "min"), else None."""
+    if not placement.is_partial() or hasattr(placement, "norm_type"):  # a _NormPartial holds norms
+        return None
+    op = getattr(placement, "reduce_op", None)
+    return op if isinstance(op, str) else None
 
 
-def _keep_partial(self_strategy: Any, result: Any, costs: Callable[[Any, Any], List[float]]) -> Any:
-    """``result`` (torch's strategy for one tensor ``self``) with each ``Partial("sum"/"avg")`` of
-    ``self`` kept on the mesh dims where torch would reduce it and replicate the output."""
-    have = self_strategy.strategies[0].output_spec.placements
-    dims = [i for i, p in enumerate(have) if _linear_partial(p)]
-    if not dims:
+def _operand_placements(kept: Any, allowed: str, asked: List[Any], current: List[Any], replicate: Any) -> Optional[List[Any]]:
+    """Where ``self`` keeps the Partial ``kept``, the placements of the other operands on that mesh
+    dim, among those the rule allows ("R" replicated, "P" ``kept``): the one an operand has, else
+    the one torch asked for, else replicated, else ``kept`` (only a replicated operand becomes a
+    Partial, and only a sum: its value split); None if there is none."""
+
+    def allows(placement: Any) -> bool:
+        return ("R" in allowed and placement.is_replicate()) or ("P" in allowed and placement == kept)
+
+    placements = []
+    for want, have in zip(asked, current):
+        if allows(have) or allows(want):
+            placements.append(have if allows(have) else want)
+        elif "R" in allowed:
+            placements.append(replicate)
+        elif "P" in allowed and have.is_replicate() and _reduction(kept) == "sum":
+            placements.append(kept)
+        else:
+            return None
+    return placements
+
+
+def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operand_needed: bool,
+                  costs: Callable[[Any, Any], List[float]]) -> Any:
+    """``result`` (torch's strategy for one tensor ``self``, ``operands[0]``'s strategy) with each
+    Partial of ``self`` that ``rule`` keeps kept on the mesh dims where torch would reduce it (and
+    replicate the output) or keeps it: there the other operands take a placement the rule allows."""
+    have = [list(op.strategies[0].output_spec.placements) for op in operands]
+    dims = [i for i, p in enumerate(have[0]) if _reduction(p) in rule]
+    if not dims or (operand_needed and len(operands) < 2):
         return result
+    replicate = placement_types()[1]()
     specs = []
     for spec in result.strategies:
         out, inputs = spec.output_spec, list(spec.input_specs or ())
-        keep = [i for i in dims if inputs and out.placements[i].is_replicate()
-                and all(s.placements[i].is_replicate() for s in inputs)]
-        if not keep:
+        if len(inputs) != len(operands):
             specs.append(spec)
             continue
-        out_placements, self_placements = list(out.placements), list(inputs[0].placements)
-        for i in keep:
-            out_placements[i] = self_placements[i] = have[i]
-        inputs[0] = dataclasses.replace(inputs[0], placements=tuple(self_placements))
-        cost = list(spec.redistribute_cost or ())
-        if cost:
-            cost[0] = costs(self_strategy, inputs[0])
+        placements = [list(s.placements) for s in inputs]
+        out_placements = list(out.placements)
+        for i in dims:
+            kept = have[0][i]
+            reduced = out_placements[i].is_replicate() and all(p[i].is_replicate() for p in placements)
+            if not (reduced or out_placements[i] == placements[0][i] == kept):
+                continue
+            others = _operand_placements(kept, rule[_reduction(kept)], [p[i] for p in placements[1:]],
+                                         [h[i] for h in have[1:]], replicate)
+            if others is None:
+                continue
+            out_placements[i] = placements[0][i] = kept
+            for p, placement in zip(placements[1:], others):
+                p[i] = placement
+        if out_placements == list(out.placements) and all(p == list(s.placements) for p, s in zip(placements, inputs)):
+            specs.append(spec)
+            continue
+        inputs = [dataclasses.replace(s, placements=tuple(p)) for s, p in zip(inputs, placements)]
+        cost = [costs(op, s) for op, s in zip(operands, inputs)] if spec.redistribute_cost else None
         specs.append(dataclasses.replace(spec, output_specs=dataclasses.replace(out, placements=tuple(out_placements)),
                                          input_specs=inputs, redistribute_cost=cost or spec.redistribute_cost))
     result.strategies = specs
     return result
 
 
-def _linear_strategy(original: Callable[..., Any], costs: Callable[[Any, Any], List[float]]) -> Callable[..., Any]:
+def _tensor_operands(args_schema: Any) -> List[Any]:
+    """The strategies of an op's tensor arguments, in order (a foreach op's are lists)."""
+    return [a for a in args_schema if hasattr(a, "strategies") or _children(a) is not None]
+
+
+def _keeping_strategy(original: Callable[..., Any], rule: Dict[str, str], operand_needed: bool,
+                      costs: Callable[[Any, Any], List[float]]) -> Callable[..., Any]:
     """``original`` (a pointwise strategy: ``(mesh, op_schema)`` before torch 2.5, ``(op_schema)``
-    after) with torch 2.13's rule for in-place ops linear in ``self``."""
+    after) with torch 2.13's rule for an in-place op that keeps a Partial of ``self``."""
 
     def strategy(*args: Any) -> Any:
-        self_strategy = args[-1].args_schema[0]
+        operands = _tensor_operands(args[-1].args_schema)
         result = original(*args)
-        children = _children(self_strategy)
+        children = _children(operands[0])
         if children is None:
-            return _keep_partial(self_strategy, result, costs)
-        for child, out in zip(children, _children(result) or ()):
-            _keep_partial(child, out, costs)
+            return _keep_partial(operands, result, rule, operand_needed, costs)
+        lists = [_children(op) or [op] * len(children) for op in operands]  # a tensor is broadcast
+        for k, out in enumerate(_children(result) or ()):
+            _keep_partial([ops[k] for ops in lists], out, rule, operand_needed, costs)
         return result
 
-    strategy.__name__ = f"{getattr(original, '__name__', 'strategy')}_keeping_linear_partials"
+    strategy.__name__ = f"{getattr(original, '__name__', 'strategy')}_keeping_partials"
     return strategy
 
 
 @PATCH.on_import(POINTWISE_MODULES[0])
 @PATCH.on_import(POINTWISE_MODULES[1])
-def keep_partials_of_linear_inplace_ops(patcher: Patcher, pointwise: ModuleType) -> bool:
-    """Register torch 2.13's rule for ``mul_``/``div_``/``neg_`` (and foreach) of a Partial."""
+def keep_partials_as_torch_2_13_does(patcher: Patcher, pointwise: ModuleType) -> bool:
+    """Register torch 2.13's rules for the in-place ops that keep a Partial of ``self``."""
     if not all(hasattr(pointwise, name) for name in ("pointwise_strategy", "list_pointwise_strategy",
                                                      "generate_redistribute_costs", "RuntimeSchemaInfo")):
         return False  # torch 2.12's single-dim pointwise rules keep these Partials themselves
     import torch
 
-    propagator = sharding_propagator()
-    funcs, infos = propagator.op_strategy_funcs, propagator.op_to_schema_info
+    funcs = sharding_propagator().op_strategy_funcs
     costs = pointwise.generate_redistribute_costs
     changed = False
-    for name, overloads in _LINEAR_INPLACE.items():
-        packet = getattr(torch.ops.aten, name)
+    for name, (overloads, rule) in _KEPT.items():
+        packet = getattr(torch.ops.aten, name, None)
         for overload in overloads:
             op = getattr(packet, overload, None)
-            if op is None:
+            original, info = funcs.get(op), None
+            if op is not None and original is None and name.startswith("_foreach_div_"):
+                # torch 2.4 has no _foreach_div_.Scalar/.Tensor strategy at all
+                original, info = pointwise.list_pointwise_strategy, pointwise.RuntimeSchemaInfo(needs_pytree=True)
+            if original is None:
                 continue
-            original = funcs.get(op)
-            if original is None:  # torch 2.4 has no _foreach_div_.Scalar/.Tensor strategy at all
-                if not name.startswith("_foreach_"):
-                    continue
-                original = pointwise.list_pointwise_strategy
-                infos[op] = pointwise.RuntimeSchemaInfo(needs_pytree=True)
-                patcher.on_undo(lambda op=op: (funcs.pop(op, None), infos.pop(op, None)))
-            else:
-                patcher.on_undo(lambda op=op, original=original: funcs.__setitem__(op, original))
-            funcs[op] = _linear_strategy(original, costs)
+            set_strategy(patcher, op, _keeping_strategy(original, rule, name in _OPERAND_NEEDED, costs), info)
             changed = True
-    cache = getattr(propagator.propagate_op_sharding, "cache_clear", None)
-    if changed and cache is not None:  # shardings computed before the fix (none, normally) are not reused
-        cache()
+    if changed:
+        forget_shardings()
     return changed
+
+
+# torch 2.13 keeps any Partial through copy_ (of a source with that Partial; a replicated value is
+# already a Partial avg, max or min of itself)
+_COPY = {"sum": "P", "avg": "PR", "max": "PR", "min": "PR"}
+
+
+@PATCH.on_import("torch.distributed.tensor._ops._tensor_ops")
+def keep_partials_through_copy(patcher: Patcher, tensor_ops: ModuleType) -> bool:
+    """torch 2.5+ gives ``copy_`` the (non-linear) pointwise strategy: register torch 2.13's rule."""
+    import torch
+
+    from torch.distributed.tensor._ops import _pointwise_ops as pointwise
+
+    op = torch.ops.aten.copy_.default
+    original = sharding_propagator().op_strategy_funcs.get(op)
+    if getattr(original, "__name__", None) != "pointwise_strategy" or not hasattr(pointwise, "generate_redistribute_costs"):
+        return False  # torch 2.4 (its own copy strategy keeps Partials), or 2.13's single-dim rules
+    set_strategy(patcher, op, _keeping_strategy(original, _COPY, True, pointwise.generate_redistribute_costs))
+    forget_shardings()
+    return True

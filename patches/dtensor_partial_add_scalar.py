@@ -17,9 +17,10 @@ Torch:         add is a "linear" op in DTensor's pointwise rule (2.1) and strate
 Fix:           ``add.Tensor`` with a number operand takes the non-linear pointwise strategy: the
                Partial operand is reduced first (one all-reduce), then the number is added once.
                On torch 2.2-2.4 the foreach ``_foreach_add.Scalar`` / ``.ScalarList`` likewise.
-               The in-place forms (``add_``, ``_foreach_add_``) on a Partial raise
-               ``RuntimeError`` as torch 2.13 does: reducing the input would leave the DTensor's
-               own local tensor untouched (the add went to a reduced copy). Adding DTensors or
+               The in-place forms (``add_``, ``_foreach_add_``) then need their DTensor reduced
+               first, which dtensor-inplace-placement-change (required) refuses with torch 2.13's
+               ``RuntimeError``, as torch 2.13 does: reducing it would leave the DTensor's own
+               local tensor untouched (the add would go to a reduced copy). Adding DTensors or
                tensors stays linear.
 Upstream:      https://github.com/pytorch/pytorch/pull/170030 (issues
                https://github.com/pytorch/pytorch/issues/163193 and
@@ -40,6 +41,7 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/170030",
     behaviour="partial_dtensor + number",
     category="correctness",
+    requires=("dtensor-inplace-placement-change",),  # refuses the in-place adds of a number to a Partial
 )
 
 
@@ -50,17 +52,6 @@ def _is_number(x: Any) -> bool:
 def _not_linear(linearity: Any) -> Any:
     """The "no linearity" value of this torch's ``linearity`` argument (bool before 2.5, int after)."""
     return False if isinstance(linearity, bool) else -1
-
-
-def _partial_placements(strategy: Any) -> Any:
-    """The placements of the first input, when one of them is a pending Partial (else None)."""
-    children = getattr(strategy, "children", getattr(strategy, "childs", None))  # 2.4: childs
-    for child in children if children is not None else [strategy]:
-        for op_spec in getattr(child, "strategies", []):
-            placements = op_spec.output_spec.placements
-            if any(p.is_partial() for p in placements):
-                return placements
-    return None
 
 
 def _op_of(op_schema: Any, ops: Tuple[Any, ...]) -> Any:
@@ -77,8 +68,6 @@ def _op_of(op_schema: Any, ops: Tuple[Any, ...]) -> Any:
 
 
 def _wrapper(signature: inspect.Signature, ops: Tuple[Any, ...], needs_number: bool) -> Callable[..., Any]:
-    inplace = tuple(op for op in ops if op._schema.name.endswith("_"))
-
     def strategy(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         bound = signature.bind(*args, **kwargs)
         a = bound.arguments
@@ -89,14 +78,6 @@ def _wrapper(signature: inspect.Signature, ops: Tuple[Any, ...], needs_number: b
             return wrapped(*args, **kwargs)
         if needs_number and not any(_is_number(x) for x in op_schema.args_schema[1:]):
             return wrapped(*args, **kwargs)
-        if op in inplace:
-            placements = _partial_placements(op_schema.args_schema[0])
-            if placements is not None:
-                raise RuntimeError(
-                    f"{op}: in-place operations that require placement changes are not supported. "
-                    f"The input has placement {placements}; adding a number to a Partial needs it reduced first "
-                    "(torchpatch dtensor-partial-add-scalar: torch >= 2.13 refuses it too). Use the out-of-place "
-                    "op, or redistribute the input to Replicate() before adding.")
         a["linearity"] = _not_linear(linearity)
         return wrapped(*bound.args, **bound.kwargs)
 

@@ -49,7 +49,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import sharding_propagator
+from torchpatch.patches._dtensor import forget_shardings, set_strategy, sharding_propagator
 
 PATCH = Patch(
     id="dtensor-reduction-strategy",
@@ -167,8 +167,7 @@ def fix_reductions(patcher: Patcher, math_ops: ModuleType) -> bool:
     fix_partial = "reduce_op != reduction_op" not in source
     fix_avg = not hasattr(math_ops, "is_tensor_evenly_shardable_on_dim")
     fix_all = op_map.get(aten.all.default) == "sum"
-    propagator = sharding_propagator()
-    funcs = propagator.op_strategy_funcs
+    funcs = sharding_propagator().op_strategy_funcs
     linear = getattr(math_ops, "linear_reduction_strategy", None)
     # sum of a _NormPartial: wrong while sum goes through common_reduction_strategy (2.14 moved the
     # linear reductions to single-dim strategies that never carry a _NormPartial through)
@@ -187,10 +186,7 @@ def fix_reductions(patcher: Patcher, math_ops: ModuleType) -> bool:
         takes_mesh = "mesh" in inspect.signature(math_ops.common_reduction_strategy).parameters
         strategy = _max_min_dim(math_ops, takes_mesh)
         for op in fix_max_dim:
-            funcs[op] = strategy
-            patcher.on_undo(lambda op=op: funcs.__setitem__(op, linear))
+            set_strategy(patcher, op, strategy)
     patcher.setattr(math_ops, _DONE, True)
-    cache = getattr(propagator.propagate_op_sharding, "cache_clear", None)
-    if cache is not None:  # shardings computed before the fix (none, normally) are not reused
-        cache()
+    forget_shardings()
     return True

@@ -5,9 +5,14 @@ Natively on torch 2.4.1 and 2.9.0 (and with the patch switched off) ``exp_``/``a
 ``neg_``, ``div_`` by a number and ``_foreach_mul_`` by a number or a (replicated) scalar tensor of a
 ``Partial`` DTensor leave it unchanged (the op ran on a reduced copy; ``clip_grad_norm_`` of partial
 gradients skips the clip): its value is not the reference computed from every rank's summand in one
-process. With TORCHPATCH=1 the non-linear ones raise torch 2.13's ``RuntimeError`` and the linear
-ones give the right value keeping the ``Partial``, as torch 2.13 and later do natively (where the patch
-is not applied).
+process. The same for torch 2.13's other rules that keep a ``Partial``: ``sub_`` of a replicated
+value from a sum, ``copy_`` of a partial, a replicated value added to (or copied into) a
+``Partial("max")``/``("min")``, non-decreasing functions of one (``exp_``, ``relu_``, ``floor_``). With
+TORCHPATCH=1 the ones torch 2.13 computes give the right value keeping the ``Partial``, and the others
+(``exp_`` of a sum, ``neg_`` of a max, a number added to a max) raise torch 2.13's ``RuntimeError`` in
+its words and leave the DTensor as it was, as torch 2.13 and later do natively (where the patch is not
+applied). torch 2.4's ``copy_`` is right natively for partials of one kind and fails both ways for a
+replicated value copied into a ``Partial("max")``.
 """
 
 import pytest
@@ -18,8 +23,8 @@ SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # rank r's share of a Partial("sum") tensor
     return torch.tensor([0.25, -1.5, 3.0, -0.5], dtype=torch.float64) * (r + 1) - r
 
-def partial():
-    return DTensor.from_local(summand(rank), mesh, [Partial()])
+def partial(reduce_op="sum"):
+    return DTensor.from_local(summand(rank), mesh, [Partial(reduce_op)])
 
 def replicated(value):
     return DTensor.from_local(torch.tensor(value, dtype=torch.float64), mesh, [Replicate()])
@@ -34,8 +39,13 @@ def clip_reference(t):
     p.grad = t
     torch.nn.utils.clip_grad_norm_([p], max_norm=1.0, foreach=True)
 
-total = sum(summand(r) for r in range(world))
-cases = {  # name: (in-place op on the DTensor, the same op on the global tensor)
+def reduced(reduce_op):  # the global value of a Partial(reduce_op) of the summands
+    parts = torch.stack([summand(r) for r in range(world)])
+    return {"sum": parts.sum(0), "max": parts.amax(0), "min": parts.amin(0)}[reduce_op]
+
+REPLICATED = torch.tensor([0.5, -3.0, 1.25, 2.0], dtype=torch.float64)
+total = reduced("sum")
+cases = {  # name: (in-place op on the DTensor, the same op on the global tensor[, the Partial's reduction])
     "exp_": (lambda d: d.exp_(), lambda t: t.exp_()),
     "abs_": (lambda d: d.abs_(), lambda t: t.abs_()),
     "clamp_": (lambda d: d.clamp_(max=0.5), lambda t: t.clamp_(max=0.5)),
@@ -54,34 +64,62 @@ cases = {  # name: (in-place op on the DTensor, the same op on the global tensor
                                lambda t: torch._foreach_mul_([t], torch.tensor(0.5, dtype=torch.float64))),
     "foreach_div_number_": (lambda d: torch._foreach_div_([d], 4.0), lambda t: torch._foreach_div_([t], 4.0)),
     "clip_grad_norm_": (clip, clip_reference),
+    # torch 2.13's other rules that keep a Partial: adding or copying one of the same kind, adding a
+    # replicated value to a max or min, non-decreasing functions of a max or min
+    "sub_replicate_": (lambda d: d.sub_(replicated(REPLICATED.tolist()), alpha=-2), lambda t: t.sub_(REPLICATED, alpha=-2)),
+    "copy_partial_": (lambda d: d.copy_(partial() * 2), lambda t: t.copy_(total * 2)),
+    "add_replicate_max_": (lambda d: d.add_(replicated(REPLICATED.tolist())), lambda t: t.add_(REPLICATED), "max"),
+    "foreach_add_replicate_min_": (lambda d: torch._foreach_add_([d], [replicated(REPLICATED.tolist())]),
+                                   lambda t: torch._foreach_add_([t], [REPLICATED]), "min"),
+    "exp_max_": (lambda d: d.exp_(), lambda t: t.exp_(), "max"),
+    "relu_min_": (lambda d: d.relu_(), lambda t: t.relu_(), "min"),
+    "floor_max_": (lambda d: d.floor_(), lambda t: t.floor_(), "max"),
+    "copy_replicate_max_": (lambda d: d.copy_(replicated(REPLICATED.tolist())), lambda t: t.copy_(REPLICATED), "max"),
+    # and these it refuses: -max is a min, and a number added to a max (or multiplied) has no rule
+    "neg_max_": (lambda d: d.neg_(), lambda t: t.neg_(), "max"),
+    "add_number_max_": (lambda d: d.add_(2.0), lambda t: t.add_(2.0), "max"),
+    "mul_number_min_": (lambda d: d.mul_(2.0), lambda t: t.mul_(2.0), "min"),
 }
 out = {}
-for name, (dtensor_op, reference_op) in cases.items():
-    d = partial()
+REFUSAL = ("in-place operations that require placement changes are not supported. The input has placement {}, "
+           "but no valid strategy preserves this placement. Please use the out-of-place version of this operation instead.")
+for name, (dtensor_op, reference_op, *reduce_op) in cases.items():
+    reduce_op = reduce_op[0] if reduce_op else "sum"
+    d = partial(reduce_op)
     try:
         returned = dtensor_op(d)
-    except Exception as exc:
-        out[name] = "refused" if "in-place operations that require placement changes" in str(exc) else f"error: {type(exc).__name__}: {str(exc)[:200]}"
+    except Exception as exc:  # torch 2.13's words, and the DTensor left as it was
+        refused = isinstance(exc, RuntimeError) and REFUSAL.format((Partial(reduce_op),)) in str(exc)
+        out[name] = "refused" if refused and torch.equal(d.to_local(), summand(rank)) else f"error: {type(exc).__name__}: {str(exc)[:300]}"
         continue
-    ref = total.clone()
+    ref = reduced(reduce_op).clone()
     reference_op(ref)
     got = d.full_tensor()
     # in place: the method returns the DTensor itself, and it stays Partial; the foreach ops return None
-    same = (returned is d or name.startswith(("foreach_", "clip_"))) and tuple(d.placements) == (Partial(),)
+    same = (returned is d or name.startswith(("foreach_", "clip_"))) and tuple(d.placements) == (Partial(reduce_op),)
     out[name] = "ok" if same and torch.equal(got, ref) else f"wrong: {got.tolist()} {tuple(d.placements)} != {ref.tolist()}"
 import torchpatch
 out["status"] = torchpatch.status().get("dtensor-inplace-placement-change")
+out["add_scalar_status"] = torchpatch.status().get("dtensor-partial-add-scalar")  # requires this patch
 if rank == 0:
     print(RESULT + json.dumps(out), flush=True)
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
-REFUSED = ("exp_", "abs_", "clamp_")  # not linear: torch 2.13 raises
+REFUSED = ("exp_", "abs_", "clamp_", "neg_max_", "add_number_max_", "mul_number_min_")  # torch 2.13 raises
 # linear in the DTensor: torch 2.13 keeps the Partial; 2.4 and 2.9 drop the write (2.4 has no strategy
 # for _foreach_div_ by a number: an error), but for mul_, which 2.5 made linear
 LINEAR = ("neg_", "div_number_", "foreach_mul_number_", "foreach_mul_tensor_", "foreach_mul_replicate_",
           "foreach_div_number_", "clip_grad_norm_") + (("mul_replicate_",) if torch_matches("<2.5") else ())
+# torch 2.13's other rules: 2.4 and 2.9 drop the write, or fail (2.4 asks a Partial("max") of the
+# replicated operand: "only support replicate to PartialSUM"); 2.4 copies partials right (its own copy_
+# strategy), and cannot make a replicated value a Partial("max") either way
+KEPT = ("sub_replicate_", "add_replicate_max_", "foreach_add_replicate_min_", "exp_max_", "relu_min_", "floor_max_",
+        *(("copy_partial_", "copy_replicate_max_") if torch_matches(">=2.5") else ()))
 KEEPING = ("add_partial_", "zero_") + (() if torch_matches("<2.5") else ("mul_replicate_",))
-NEWEST = dict(dict.fromkeys(REFUSED, "refused"), **dict.fromkeys(LINEAR + KEEPING, "ok"))  # torch 2.13+
+NATIVE_RIGHT = KEEPING + (("copy_partial_", "add_number_max_") if torch_matches("<2.5") else ())  # 2.4: by luck
+NEWEST = dict(dict.fromkeys(REFUSED, "refused"), **dict.fromkeys(LINEAR + KEPT + KEEPING, "ok"))  # torch 2.13+
+if torch_matches("<2.5"):
+    NEWEST.update(copy_partial_="ok", copy_replicate_max_="error")  # 2.4's copy_: both ways
 
 
 def _run(tmp_path, **env) -> dict:
@@ -93,21 +131,22 @@ def _run(tmp_path, **env) -> dict:
 def test_write_dropped_natively(tmp_path, env):
     out = _run(tmp_path, **env)
     assert out.pop("status") is None
-    for name in REFUSED + LINEAR:
+    assert out.pop("add_scalar_status") is None  # off with the patch it requires
+    for name in set(REFUSED + LINEAR + KEPT) - set(NATIVE_RIGHT):
         assert out[name].startswith(("wrong", "error")), (name, out)
-    for name in KEEPING:
+    for name in NATIVE_RIGHT:
         assert out[name] == "ok", (name, out)
 
 
 @only_torch(">=2.4", "DTensor's dispatcher as the patch knows it")
 def test_computed_or_refused_as_on_newer_torch(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
-    assert out == NEWEST, out
+    assert out.pop("status") == out.pop("add_scalar_status") == ("applied" if torch_matches("<2.13") else None)
+    assert {k: v[:5] if v.startswith("error") else v for k, v in out.items()} == NEWEST, out
 
 
 @only_torch(">=2.13", "torch that refuses these in-place ops itself")
 def test_computed_or_refused_natively_on_fixed_torch(tmp_path):
     out = _run(tmp_path)
-    assert out.pop("status") is None
+    assert out.pop("status") is out.pop("add_scalar_status") is None
     assert out == NEWEST, out
