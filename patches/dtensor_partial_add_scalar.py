@@ -41,7 +41,9 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/170030",
     behaviour="partial_dtensor + number",
     category="correctness",
-    requires=("dtensor-inplace-placement-change",),  # refuses the in-place adds of a number to a Partial
+    # the first refuses the in-place adds of a number to a Partial; without the second, torch 2.2-2.8
+    # reuse the first number added (partial + 20 after partial + 10 gives the sum + 10)
+    requires=("dtensor-inplace-placement-change", "dtensor-stale-scalar-args"),
 )
 
 

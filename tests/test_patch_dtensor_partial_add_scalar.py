@@ -104,6 +104,16 @@ def test_number_added_on_every_rank(tmp_path, env):
         assert out[name] == "ok", (name, out)
 
 
+@only_torch(">=2.4,<2.9", "torch 2.4-2.8 reuse the numbers of an op's first sharding")
+def test_off_without_the_fix_of_stale_numbers(tmp_path):
+    # reducing the Partial first makes these adds redistribute, where torch 2.4.1 reuses the first
+    # call's number (10 for the 3 of add_alpha): the patch needs dtensor-stale-scalar-args
+    out = _run(tmp_path, TORCHPATCH="1", TORCHPATCH_DTENSOR_STALE_SCALAR_ARGS="0")
+    assert out.pop("status") is None
+    for name in NUMBER_ADDS:
+        assert out[name].startswith("wrong"), (name, out)
+
+
 @only_torch(">=2.4", "DTensor's pointwise strategies as the patch knows them")
 def test_number_added_once(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
