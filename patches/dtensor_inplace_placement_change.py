@@ -118,7 +118,7 @@ def refuse_inplace_redistribution(patcher: Patcher, dispatch: ModuleType) -> boo
 # torch 2.13's sharding rules for in-place ops that keep a Partial of ``self`` (its _MUL_RULES,
 # _DIV_RULES, _NEG_RULES, scalar_linear_ops, _BINARY_ADDITIVE_RULES, _NON_DECREASING_RULES): for each
 # reduction of ``self``'s Partial kept, the placements the other tensor operands may take on that mesh
-# dim ("R": replicated, "P": the same Partial; none: the op has no other operand).
+# dim ("P": the same Partial, "R": replicated, "r": replicated if it is; none: no other operand).
 _LINEAR = {"sum": "R", "avg": "R"}  # (a1 + a2) * c = a1 * c + a2 * c
 _ADDITIVE = {"sum": "P", "avg": "PR", "max": "R", "min": "R"}  # max(a1, a2) + c = max(a1 + c, a2 + c)
 _NON_DECREASING = {"max": "", "min": ""}  # f(max(a1, a2)) = max(f(a1), f(a2))
@@ -159,19 +159,16 @@ def _reduction(placement: Any) -> Optional[str]:
     return op if isinstance(op, str) else None
 
 
-def _operand_placements(kept: Any, allowed: str, asked: List[Any], current: List[Any], replicate: Any) -> Optional[List[Any]]:
+def _operand_placements(kept: Any, allowed: str, current: List[Any], replicate: Any) -> Optional[List[Any]]:
     """Where ``self`` keeps the Partial ``kept``, the placements of the other operands on that mesh
-    dim, among those the rule allows ("R" replicated, "P" ``kept``): the one an operand has, else
-    the one torch asked for, else replicated, else ``kept`` (only a replicated operand becomes a
-    Partial, and only a sum: its value split); None if there is none."""
-
-    def allows(placement: Any) -> bool:
-        return ("R" in allowed and placement.is_replicate()) or ("P" in allowed and placement == kept)
-
+    dim, from what each has (``current``) and what the rule allows: "P" ``kept`` (which a replicated
+    operand becomes only for a sum, its value split), "R" replicated (any operand, reduced), "r"
+    replicated if it is already. None if an operand can take none of them (a Partial of another
+    kind where the rule wants ``kept``: torch 2.13 never converts one Partial into another)."""
     placements = []
-    for want, have in zip(asked, current):
-        if allows(have) or allows(want):
-            placements.append(have if allows(have) else want)
+    for have in current:
+        if ("P" in allowed and have == kept) or (("R" in allowed or "r" in allowed) and have.is_replicate()):
+            placements.append(have)
         elif "R" in allowed:
             placements.append(replicate)
         elif "P" in allowed and have.is_replicate() and _reduction(kept) == "sum":
@@ -204,8 +201,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
             reduced = out_placements[i].is_replicate() and all(p[i].is_replicate() for p in placements)
             if not (reduced or out_placements[i] == placements[0][i] == kept):
                 continue
-            others = _operand_placements(kept, rule[_reduction(kept)], [p[i] for p in placements[1:]],
-                                         [h[i] for h in have[1:]], replicate)
+            others = _operand_placements(kept, rule[_reduction(kept)], [h[i] for h in have[1:]], replicate)
             if others is None:
                 continue
             out_placements[i] = placements[0][i] = kept
@@ -276,9 +272,9 @@ def keep_partials_as_torch_2_13_does(patcher: Patcher, pointwise: ModuleType) ->
     return changed
 
 
-# torch 2.13 keeps any Partial through copy_ (of a source with that Partial; a replicated value is
-# already a Partial avg, max or min of itself)
-_COPY = {"sum": "P", "avg": "PR", "max": "PR", "min": "PR"}
+# torch 2.13 keeps any Partial through copy_ of a source with that Partial (a replicated source is
+# already a Partial avg, max or min of itself; a sum's is split); a Partial of another kind it refuses
+_COPY = {"sum": "P", "avg": "Pr", "max": "Pr", "min": "Pr"}
 
 
 @PATCH.on_import("torch.distributed.tensor._ops._tensor_ops")
