@@ -1,6 +1,6 @@
 """Where DTensor's pieces live on each torch, for the DTensor patches (not a patch itself)."""
 
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 # OpDispatcher's module: torch 2.2-2.4, then 2.5 and later.
 DISPATCH_MODULES = ("torch.distributed._tensor._dispatch", "torch.distributed.tensor._dispatch")
@@ -54,3 +54,12 @@ def forget_shardings() -> None:
     cache = getattr(sharding_propagator().propagate_op_sharding, "cache_clear", None)
     if cache is not None:
         cache()
+
+
+def partial_reduction(placement: Any) -> Optional[str]:
+    """The reduction of a plain ``Partial`` ("sum", "avg", "max", "min"), else None (a _NormPartial
+    holds norms, not shares of a value)."""
+    if not placement.is_partial() or hasattr(placement, "norm_type"):
+        return None
+    op = getattr(placement, "reduce_op", None)
+    return op if isinstance(op, str) else None

@@ -51,8 +51,8 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, placement_types, set_strategy,
-                                         sharding_propagator)
+from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, partial_reduction, placement_types,
+                                         set_strategy, sharding_propagator)
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -151,14 +151,6 @@ def _children(strategy: Any) -> Any:
     return children if children is not None else getattr(strategy, "childs", None)  # no 2.9 FutureWarning
 
 
-def _reduction(placement: Any) -> Optional[str]:
-    """The reduction of a plain ``Partial`` ("sum", "avg", "max", "min"), else None."""
-    if not placement.is_partial() or hasattr(placement, "norm_type"):  # a _NormPartial holds norms
-        return None
-    op = getattr(placement, "reduce_op", None)
-    return op if isinstance(op, str) else None
-
-
 def _operand_placements(kept: Any, allowed: str, current: List[Any], replicate: Any) -> Optional[List[Any]]:
     """Where ``self`` keeps the Partial ``kept``, the placements of the other operands on that mesh
     dim, from what each has (``current``) and what the rule allows: "P" ``kept`` (which a replicated
@@ -171,7 +163,7 @@ def _operand_placements(kept: Any, allowed: str, current: List[Any], replicate: 
             placements.append(have)
         elif "R" in allowed:
             placements.append(replicate)
-        elif "P" in allowed and have.is_replicate() and _reduction(kept) == "sum":
+        elif "P" in allowed and have.is_replicate() and partial_reduction(kept) == "sum":
             placements.append(kept)
         else:
             return None
@@ -184,7 +176,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
     Partial of ``self`` that ``rule`` keeps kept on the mesh dims where torch would reduce it (and
     replicate the output) or keeps it: there the other operands take a placement the rule allows."""
     have = [list(op.strategies[0].output_spec.placements) for op in operands]
-    dims = [i for i, p in enumerate(have[0]) if _reduction(p) in rule]
+    dims = [i for i, p in enumerate(have[0]) if partial_reduction(p) in rule]
     if not dims or (operand_needed and len(operands) < 2):
         return result
     replicate = placement_types()[1]()
@@ -201,7 +193,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
             reduced = out_placements[i].is_replicate() and all(p[i].is_replicate() for p in placements)
             if not (reduced or out_placements[i] == placements[0][i] == kept):
                 continue
-            others = _operand_placements(kept, rule[_reduction(kept)], [h[i] for h in have[1:]], replicate)
+            others = _operand_placements(kept, rule[partial_reduction(kept)], [h[i] for h in have[1:]], replicate)
             if others is None:
                 continue
             out_placements[i] = placements[0][i] = kept

@@ -32,7 +32,8 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import POINTWISE_MODULES, forget_shardings, placement_types, set_strategy, sharding_propagator
+from torchpatch.patches._dtensor import (POINTWISE_MODULES, forget_shardings, partial_reduction, placement_types, set_strategy,
+                                         sharding_propagator)
 
 PATCH = Patch(
     id="dtensor-partial-kinds",
@@ -48,20 +49,11 @@ REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distri
 _UPSTREAM_MESSAGE = "Redistribution from one partial type"
 
 
-def _reduction(placement: Any) -> Optional[str]:
-    """The reduction of a plain ``Partial`` ("sum", "avg", "max", "min"), else None (a _NormPartial's
-    conversions are torch's own business: the norm reductions rely on them)."""
-    if not placement.is_partial() or hasattr(placement, "norm_type"):
-        return None
-    op = getattr(placement, "reduce_op", None)
-    return op if isinstance(op, str) else None
-
-
 def _refuse_partial_conversion(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     current = args[1] if len(args) > 1 else kwargs["current_spec"]
     target = args[2] if len(args) > 2 else kwargs["target_spec"]
     for have, want in zip(current.placements, target.placements):
-        a, b = _reduction(have), _reduction(want)
+        a, b = partial_reduction(have), partial_reduction(want)  # a _NormPartial's conversions stay torch's
         if a is not None and b is not None and a != b:
             raise AssertionError(f"Redistribution from one partial type (P({a})) to another (P({b})) is unsupported. "
                                  "(torchpatch dtensor-partial-kinds: torch 2.13 and later raise this error; this torch "
@@ -85,7 +77,7 @@ def refuse_partial_conversions(patcher: Patcher, redistribute: ModuleType) -> bo
 
 def _mixed(kept: Optional[str], others: List[Any]) -> bool:
     """Whether a first operand with Partial ``kept`` cannot be added to ``others`` as they are."""
-    kinds = [_reduction(p) for p in others if p.is_partial()]
+    kinds = [partial_reduction(p) for p in others if p.is_partial()]
     return any(k != kept or kept in ("max", "min") for k in kinds)
 
 
@@ -93,7 +85,7 @@ def _reduce_mixed(operands: List[Any], result: Any, costs: Callable[[Any, Any], 
     """``result`` (torch's strategy for an out-of-place add or sub) with the operands reduced on each
     mesh dim where their Partials cannot go together: the first's average, max or min kept."""
     have = [list(op.strategies[0].output_spec.placements) for op in operands]
-    dims = [i for i, p in enumerate(have[0]) if _reduction(p) is not None and _mixed(_reduction(p), [h[i] for h in have[1:]])]
+    dims = [i for i, p in enumerate(have[0]) if partial_reduction(p) is not None and _mixed(partial_reduction(p), [h[i] for h in have[1:]])]
     if not dims:
         return result
     replicate = placement_types()[1]()
@@ -106,7 +98,7 @@ def _reduce_mixed(operands: List[Any], result: Any, costs: Callable[[Any, Any], 
         placements = [list(s.placements) for s in inputs]
         out = list(spec.output_spec.placements)
         for i in dims:
-            kept = have[0][i] if _reduction(have[0][i]) in ("avg", "max", "min") else replicate
+            kept = have[0][i] if partial_reduction(have[0][i]) in ("avg", "max", "min") else replicate
             out[i] = placements[0][i] = kept
             for p in placements[1:]:
                 p[i] = replicate
