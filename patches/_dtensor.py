@@ -1,6 +1,7 @@
 """Where DTensor's pieces live on each torch, for the DTensor patches (not a patch itself)."""
 
-from typing import Any, Callable, Optional, Tuple
+import dataclasses
+from typing import Any, Callable, List, Optional, Tuple
 
 # OpDispatcher's module: torch 2.2-2.4, then 2.5 and later.
 DISPATCH_MODULES = ("torch.distributed._tensor._dispatch", "torch.distributed.tensor._dispatch")
@@ -63,3 +64,19 @@ def partial_reduction(placement: Any) -> Optional[str]:
         return None
     op = getattr(placement, "reduce_op", None)
     return op if isinstance(op, str) else None
+
+
+def operand_placements(operands: List[Any]) -> List[List[Any]]:
+    """The placements each operand (an ``OpStrategy`` of a DTensor argument) has, as lists."""
+    return [list(op.strategies[0].output_spec.placements) for op in operands]
+
+
+def with_placements(spec: Any, operands: List[Any], output: List[Any], inputs: List[List[Any]],
+                    costs: Callable[[Any, Any], List[float]]) -> Any:
+    """``spec`` (one sharding of an op) with its output and inputs on these placements, and the
+    costs of redistributing each operand to them (``costs``: the pointwise module's
+    ``generate_redistribute_costs``)."""
+    specs = [dataclasses.replace(s, placements=tuple(p)) for s, p in zip(spec.input_specs, inputs)]
+    cost = [costs(op, s) for op, s in zip(operands, specs)] if spec.redistribute_cost else spec.redistribute_cost
+    return dataclasses.replace(spec, output_specs=dataclasses.replace(spec.output_spec, placements=tuple(output)),
+                               input_specs=specs, redistribute_cost=cost)

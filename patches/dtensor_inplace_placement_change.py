@@ -45,14 +45,14 @@ Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); to
                ``_NON_DECREASING_RULES``, ``_ALL_PARTIAL_BINARY_PRESERVING_RULES``)
 """
 
-import dataclasses
 import os
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, partial_reduction, placement_types,
-                                         set_strategy, sharding_propagator)
+from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, operand_placements,
+                                         partial_reduction, placement_types, set_strategy, sharding_propagator,
+                                         with_placements)
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -151,7 +151,7 @@ def _children(strategy: Any) -> Any:
     return children if children is not None else getattr(strategy, "childs", None)  # no 2.9 FutureWarning
 
 
-def _operand_placements(kept: Any, allowed: str, current: List[Any], replicate: Any) -> Optional[List[Any]]:
+def _others_placements(kept: Any, allowed: str, current: List[Any], replicate: Any) -> Optional[List[Any]]:
     """Where ``self`` keeps the Partial ``kept``, the placements of the other operands on that mesh
     dim, from what each has (``current``) and what the rule allows: "P" ``kept`` (which a replicated
     operand becomes only for a sum, its value split), "R" replicated (any operand, reduced), "r"
@@ -175,7 +175,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
     """``result`` (torch's strategy for one tensor ``self``, ``operands[0]``'s strategy) with each
     Partial of ``self`` that ``rule`` keeps kept on the mesh dims where torch would reduce it (and
     replicate the output) or keeps it: there the other operands take a placement the rule allows."""
-    have = [list(op.strategies[0].output_spec.placements) for op in operands]
+    have = operand_placements(operands)
     dims = [i for i, p in enumerate(have[0]) if partial_reduction(p) in rule]
     if not dims or (operand_needed and len(operands) < 2):
         return result
@@ -193,7 +193,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
             reduced = out_placements[i].is_replicate() and all(p[i].is_replicate() for p in placements)
             if not (reduced or out_placements[i] == placements[0][i] == kept):
                 continue
-            others = _operand_placements(kept, rule[partial_reduction(kept)], [h[i] for h in have[1:]], replicate)
+            others = _others_placements(kept, rule[partial_reduction(kept)], [h[i] for h in have[1:]], replicate)
             if others is None:
                 continue
             out_placements[i] = placements[0][i] = kept
@@ -202,10 +202,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
         if out_placements == list(out.placements) and all(p == list(s.placements) for p, s in zip(placements, inputs)):
             specs.append(spec)
             continue
-        inputs = [dataclasses.replace(s, placements=tuple(p)) for s, p in zip(inputs, placements)]
-        cost = [costs(op, s) for op, s in zip(operands, inputs)] if spec.redistribute_cost else None
-        specs.append(dataclasses.replace(spec, output_specs=dataclasses.replace(out, placements=tuple(out_placements)),
-                                         input_specs=inputs, redistribute_cost=cost or spec.redistribute_cost))
+        specs.append(with_placements(spec, operands, out_placements, placements, costs))
     result.strategies = specs
     return result
 

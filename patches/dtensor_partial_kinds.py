@@ -14,26 +14,25 @@ Torch:         torch 2.4.1 and 2.9.0 (reproduced on gloo); torch 2.13.0, 2.14.1 
                average with one of its kind, and an average, max or min with a replicated value),
                and raise ``AssertionError: Redistribution from one partial type (P(max)) to another
                (P(sum)) is unsupported.`` where a conversion is still asked (``sum.add_(max)`` in
-               place). A torch whose redistribution already raises that
-               error, or whose pointwise strategies are the single-dim rules, is left alone.
+               place). A torch whose redistribution already raises that error, or whose pointwise
+               strategies are the single-dim rules, is left alone.
 Fix:           (1) ``add``/``sub`` out of place: on a mesh dim where the first operand is a
                ``Partial`` and another operand holds a ``Partial`` that cannot go with it (another
-               kind, or a max or min with a max or min, which torch 2.13 reduces too), the other operands are reduced (replicated)
-               and the first's average, max or min is kept (adding a replicated value commutes with
-               them); a first sum is reduced too. (2) redistributing a ``Partial`` into a
+               kind, or a max or min with a max or min, which torch 2.13 reduces too), the other
+               operands are reduced (replicated) and the first's average, max or min is kept
+               (adding a replicated value commutes with them); a first sum is reduced too. (2) redistributing a ``Partial`` into a
                ``Partial`` of another kind raises torch 2.13's ``AssertionError``, in its words.
 Upstream:      https://github.com/pytorch/pytorch/pull/172041 (the error) and
                https://github.com/pytorch/pytorch/pull/172042 (no strategy that needs the conversion)
 """
 
-import dataclasses
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (POINTWISE_MODULES, forget_shardings, partial_reduction, placement_types, set_strategy,
-                                         sharding_propagator)
+from torchpatch.patches._dtensor import (POINTWISE_MODULES, forget_shardings, operand_placements, partial_reduction,
+                                         placement_types, set_strategy, sharding_propagator, with_placements)
 
 PATCH = Patch(
     id="dtensor-partial-kinds",
@@ -75,37 +74,35 @@ def refuse_partial_conversions(patcher: Patcher, redistribute: ModuleType) -> bo
     return True
 
 
-def _mixed(kept: Optional[str], others: List[Any]) -> bool:
-    """Whether a first operand with Partial ``kept`` cannot be added to ``others`` as they are."""
+def _mixed(first: Any, others: List[Any]) -> bool:
+    """Whether a first operand with the Partial ``first`` cannot be added to ``others`` as they are
+    (a Partial of another kind, or a max or min with a max or min)."""
+    kept = partial_reduction(first)
     kinds = [partial_reduction(p) for p in others if p.is_partial()]
-    return any(k != kept or kept in ("max", "min") for k in kinds)
+    return kept is not None and any(k != kept or kept in ("max", "min") for k in kinds)
 
 
 def _reduce_mixed(operands: List[Any], result: Any, costs: Callable[[Any, Any], List[float]]) -> Any:
     """``result`` (torch's strategy for an out-of-place add or sub) with the operands reduced on each
     mesh dim where their Partials cannot go together: the first's average, max or min kept."""
-    have = [list(op.strategies[0].output_spec.placements) for op in operands]
-    dims = [i for i, p in enumerate(have[0]) if partial_reduction(p) is not None and _mixed(partial_reduction(p), [h[i] for h in have[1:]])]
+    have = operand_placements(operands)
+    dims = [i for i, p in enumerate(have[0]) if _mixed(p, [h[i] for h in have[1:]])]
     if not dims:
         return result
     replicate = placement_types()[1]()
     specs = []
     for spec in result.strategies:
-        inputs = list(spec.input_specs or ())
-        if len(inputs) != len(operands):
+        if len(spec.input_specs or ()) != len(operands):
             specs.append(spec)
             continue
-        placements = [list(s.placements) for s in inputs]
+        placements = [list(s.placements) for s in spec.input_specs]
         out = list(spec.output_spec.placements)
         for i in dims:
             kept = have[0][i] if partial_reduction(have[0][i]) in ("avg", "max", "min") else replicate
             out[i] = placements[0][i] = kept
             for p in placements[1:]:
                 p[i] = replicate
-        inputs = [dataclasses.replace(s, placements=tuple(p)) for s, p in zip(inputs, placements)]
-        cost = [costs(op, s) for op, s in zip(operands, inputs)] if spec.redistribute_cost else spec.redistribute_cost
-        specs.append(dataclasses.replace(spec, output_specs=dataclasses.replace(spec.output_spec, placements=tuple(out)),
-                                         input_specs=inputs, redistribute_cost=cost))
+        specs.append(with_placements(spec, operands, out, placements, costs))
     result.strategies = specs
     return result
 
