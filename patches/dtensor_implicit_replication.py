@@ -19,8 +19,10 @@ Fix:           outside an explicit ``implicit_replication()`` block, a plain ten
                stand, unchecked. Where the hook sits:
                - torch 2.1: around ``dispatch._operator_dispatch``, on top of the replication that
                  ``dtensor-experimental`` teaches it (which this patch requires there);
-               - torch 2.2-2.9 (dispatch in Python): around ``OpDispatcher.unwrap_to_op_info``,
-                 which turns torch's switch on for that one call;
+               - torch 2.2-2.9 (dispatch in Python): torch's switch is on for good (a property of
+                 ``OpDispatcher`` that keeps the explicit state apart); torch reads it only when a
+                 plain tensor of more than one element meets DTensors, and the check runs in that
+                 read, on the arguments of the op being unwrapped: nothing on any other op;
                - torch 2.10+ (dispatch in C++, switch thread-local in C++): torch's switch is on in
                  the thread that imports DTensor, ``OpDispatcher._allow_implicit_replication``
                  keeps the explicit state apart, and the check runs where C++ calls back into
@@ -33,9 +35,10 @@ Upstream:      https://github.com/pytorch/pytorch/pull/115297 (implicit_replicat
                https://github.com/pytorch/pytorch/issues/124826 (mixed tensors, the request)
 """
 
+import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import DISPATCH_MODULES, dtensor_type
@@ -121,19 +124,31 @@ def replicate_in_dispatch_21(patcher: Patcher, dispatch: ModuleType) -> bool:
     return True
 
 
-# -- torch 2.2-2.9: OpDispatcher in Python, torch's switch an instance attribute -----------------
+# -- torch 2.2-2.9: OpDispatcher in Python, torch's switch read only for plain tensors ------------
 
-def _unwrap_to_op_info(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
-                       kwargs: Dict[str, Any]) -> Any:
-    if instance._allow_implicit_replication:  # explicit implicit_replication(): torch's semantics
-        return wrapped(*args, **kwargs)
-    op_call, op_args, op_kwargs = args[:3]
-    check_plain_tensors(op_call, op_args, op_kwargs, dtensor_type())
-    instance._allow_implicit_replication = True
-    try:
-        return wrapped(*args, **kwargs)
-    finally:
-        instance._allow_implicit_replication = False
+def _replicating(self: Any) -> bool:
+    """Torch's switch as its dispatch reads it: always on. Torch reads it only when a plain tensor
+    with more than one element meets DTensors (in ``unwrap_to_op_info``), so the check runs there,
+    on the arguments of the op being unwrapped, and nowhere else; not inside torch's own
+    ``implicit_replication()`` (the value it set is kept where torch kept it, on the instance)."""
+    if not vars(self).get("_allow_implicit_replication", False):
+        frame = sys._getframe(1)
+        for _ in range(3):  # unwrap_to_op_info, or its helper one frame below (torch 2.2-2.4)
+            if frame is None:
+                break
+            if frame.f_code in _UNWRAP_CODES:
+                local = frame.f_locals
+                check_plain_tensors(local["op_call"], local["args"], local["kwargs"], dtensor_type())
+                break
+            frame = frame.f_back
+    return True
+
+
+def _set_explicit(self: Any, value: bool) -> None:
+    vars(self)["_allow_implicit_replication"] = bool(value)
+
+
+_UNWRAP_CODES: Set[Any] = set()  # the code of OpDispatcher.unwrap_to_op_info (one per torch loaded)
 
 
 # -- torch 2.10+: dispatch in C++, the switch thread-local in C++ ----------------------------------
@@ -167,8 +182,13 @@ def _teach_op_dispatcher(patcher: Patcher, dispatch: ModuleType) -> Optional[boo
     cls = getattr(dispatch, "OpDispatcher", None)
     if cls is None or cls.__module__ != dispatch.__name__:  # absent, or re-exported from elsewhere
         return False
-    if hasattr(cls, "dispatch"):  # Python dispatch: unwrap_to_op_info sees every op
-        patcher.wrap(cls, "unwrap_to_op_info", _unwrap_to_op_info)
+    if hasattr(cls, "dispatch"):  # Python dispatch: torch's switch, on for good, checked where read
+        code = cls.unwrap_to_op_info.__code__
+        if code.co_varnames[:4] != ("self", "op_call", "args", "kwargs"):
+            raise RuntimeError("OpDispatcher.unwrap_to_op_info takes arguments this patch does not know")
+        _UNWRAP_CODES.add(code)
+        patcher.on_undo(lambda: _UNWRAP_CODES.discard(code))
+        patcher.setattr(cls, "_allow_implicit_replication", property(_replicating, _set_explicit))
         return True
     import torch
 

@@ -21,11 +21,18 @@ Fix:           the first time an op fails that way, a sharding strategy is regis
                sequence shards are reordered, which a gather-and-run cannot know: the fallback
                raises there instead of attending over the reordered sequence. That is the case of
                SDPA on CPU, whose kernel context_parallel does not implement (CUDA kernels only).
+               Ops that have a strategy pay nothing: the patch sits in sharding propagation's
+               cache miss (``ShardingPropagator.propagate_op_sharding_non_cached``), and an op
+               that torch decomposes (CompositeImplicitAutograd) is left to torch. Results are
+               resharded in ``OpDispatcher.wrap`` (torch 2.4-2.9; wrapped only once an op fell
+               back) or, where C++ dispatches (2.10+), in its local-results slow path.
 Pitfalls:      the fallback is correct but not fast: every sharded input is gathered on every
-               call. The warning is the reminder to register a strategy.
+               call. The warning is the reminder to register a strategy. On torch 2.4-2.9, once
+               an op fell back, every DTensor op of the process makes one Python call more.
 Upstream:      https://github.com/pytorch/pytorch/pull/131108 (register_sharding, torch 2.5)
 """
 
+import dataclasses
 import functools
 import sys
 import threading
@@ -125,27 +132,6 @@ def _fall_back(op: Any) -> bool:
     return True
 
 
-def _reshard_like_inputs(outputs: Any, args: Sequence[Any], kwargs: Dict[str, Any]) -> Any:
-    """Reshard replicated DTensor outputs like the first DTensor input of the same global shape."""
-    import torch
-    from torch.utils._pytree import tree_flatten, tree_map
-
-    _, Replicate = placement_types()
-    dtensor = dtensor_type()
-    inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, dtensor)]
-
-    def reshard(out: Any) -> Any:
-        if not isinstance(out, dtensor):
-            return out
-        like = next((a for a in inputs if a.shape == out.shape), None)
-        if like is None or all(isinstance(p, Replicate) for p in like.placements):
-            return out
-        assert all(isinstance(p, Replicate) for p in out.placements)
-        return out.redistribute(like.device_mesh, like.placements)
-
-    return tree_map(reshard, outputs) if not isinstance(outputs, torch.Tensor) else reshard(outputs)
-
-
 # context_parallel's module on torch 2.13, 2.5-2.9 and 2.4.
 _CONTEXT_PARALLEL = ("torch.distributed.tensor.experimental._context_parallel._attention",
                      "torch.distributed.tensor.experimental._attention",
@@ -174,106 +160,163 @@ def _refuse_under_load_balanced_context_parallel(dispatcher: Any, op: Any) -> No
 
 
 def _falls_back(exc: BaseException, op: Any) -> bool:
-    return _NO_STRATEGY in str(exc) and op not in _fallen_back and _fall_back(op)
+    import torch
+
+    if _NO_STRATEGY not in str(exc) or op in _fallen_back:
+        return False
+    if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        return False  # torch decomposes it when propagation fails (2.9+); its parts fall back if need be
+    return _fall_back(op)
 
 
-# -- torch 2.4-2.9: OpDispatcher.dispatch in Python ------------------------------------------------
+# -- where it hooks: sharding propagation on a cache miss, then OpDispatcher.wrap once an op fell back
 
-def _dispatch(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    op_call, op_args, op_kwargs = args[:3]
-    if op_call not in _fallen_back:
+# id(output spec) -> (that spec, the op, placements of the input it is resharded like, or None).
+_resharded: Dict[int, Tuple[Any, Any, Optional[Tuple[Any, ...]]]] = {}
+_wrap_lock = threading.Lock()
+
+
+def _reshard_like(spec: Any, op_schema: Any) -> Optional[Tuple[Any, ...]]:
+    """The placements of the first DTensor input of ``spec``'s global shape that is sharded (its
+    Partials kept replicated: a full value cannot be claimed as a share), or None."""
+    from torch.utils._pytree import tree_flatten
+
+    DTensorSpec, Replicate = placement_types()
+    if not isinstance(spec, DTensorSpec) or spec.tensor_meta is None:
+        return None
+    inputs = [a for a in tree_flatten((op_schema.args_schema, op_schema.kwargs_schema))[0]
+              if isinstance(a, DTensorSpec) and a.tensor_meta is not None]
+    like = next((a for a in inputs if a.tensor_meta.shape == spec.tensor_meta.shape), None)
+    if like is None or not any(p.is_shard() for p in like.placements):
+        return None
+    return tuple(p if p.is_shard() else Replicate() for p in like.placements)
+
+
+def _propagate(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``ShardingPropagator.propagate_op_sharding_non_cached`` (only on a sharding-cache miss): an op
+    with no strategy gets the replicate-everything one, and its output specs are noted for
+    :func:`_wrap`, which reshards results like their input."""
+    op_schema = args[0] if args else kwargs["op_schema"]
+    op = op_schema.op
+    if op not in _fallen_back:
         try:
             return wrapped(*args, **kwargs)
         except NotImplementedError as exc:
-            if not _falls_back(exc, op_call):
+            if not _falls_back(exc, op):
                 raise
-    _refuse_under_load_balanced_context_parallel(instance, op_call)
-    return _reshard_like_inputs(wrapped(*args, **kwargs), op_args, op_kwargs)
+        _hook_wrap()
+    sharding = wrapped(*args, **kwargs)
+    outputs = sharding.output_spec
+    _resharded[id(outputs)] = (outputs, op, _reshard_like(outputs, op_schema))
+    for spec in outputs if isinstance(outputs, (list, tuple)) else ():
+        _resharded[id(spec)] = (spec, op, _reshard_like(spec, op_schema))
+    return sharding
 
 
-# -- torch 2.10+: dispatch in C++, calling back into Python for sharding propagation ---------------
-
-def _propagate_slow_path(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
-                         kwargs: Dict[str, Any]) -> Any:
-    try:
-        return wrapped(*args, **kwargs)
-    except NotImplementedError as exc:
-        if not _falls_back(exc, args[0]):
-            raise
-    return wrapped(*args, **kwargs)
-
-
-class _PendingSpec(threading.local):
-    """The resharded local results of a fallen-back op and their spec, until C++ wraps them."""
-
-    value: Optional[Tuple[Any, Any]] = None
-
-
-_pending = _PendingSpec()
-
-
-def _local_results_slow_path(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
-                             kwargs: Dict[str, Any]) -> Any:
-    """For a fallen-back op, the replicated local results become the local shards of the input
-    of the same shape; :func:`_wrap` hands C++ the spec that says so."""
-    op_call, op_args, op_info = args[:3]
-    if op_call not in _fallen_back:
-        return wrapped(*args, **kwargs)
-    _refuse_under_load_balanced_context_parallel(instance, op_call)
-    results = wrapped(*args, **kwargs)
-    if results is None:
-        return results
+def _resharded_result(result: Any, spec: Any) -> Optional[Tuple[Any, Any]]:
+    """(local shard, its spec) for a replicated result of an op that fell back, where it is to be
+    resharded like an input; None where it stays as it is. Refused under load-balanced context
+    parallel."""
+    entry = _resharded.get(id(spec))
+    if entry is None or entry[0] is not spec:
+        return None
+    _, op, placements = entry
+    _refuse_under_load_balanced_context_parallel(dtensor_type()._op_dispatcher, op)
     import torch
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    DTensorSpec, Replicate = placement_types()
-    dtensor = dtensor_type()
-    inputs = [a for a in op_args if isinstance(a, dtensor)]
-
-    def reshard(local: Any, spec: Any) -> Tuple[Any, Any]:
-        if not isinstance(local, torch.Tensor) or not isinstance(spec, DTensorSpec):
-            return local, spec
-        like = next((a for a in inputs if a.shape == local.shape), None)
-        if like is None or all(isinstance(p, Replicate) for p in like.placements):
-            return local, spec
-        shape, offset = compute_local_shape_and_global_offset(local.shape, spec.mesh, like.placements)
-        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        return local[index].contiguous(), DTensorSpec(spec.mesh, tuple(like.placements), tensor_meta=spec.tensor_meta)
-
-    output_spec = op_info.output_sharding.output_spec
-    if isinstance(results, torch.Tensor):
-        results, spec = reshard(results, output_spec)
-    else:
-        pairs = [reshard(r, s) for r, s in zip(results, output_spec)]
-        results = type(results)(r for r, _ in pairs)
-        spec = tuple(s for _, s in pairs)
-    _pending.value = (results, spec)
-    return results
+    if placements is None or not isinstance(result, torch.Tensor):
+        return None
+    DTensorSpec, _ = placement_types()
+    shape, offset = _local_shape_and_offset()(spec.tensor_meta.shape, spec.mesh, placements)
+    local = result[tuple(slice(o, o + n) for o, n in zip(offset, shape))].contiguous()
+    return local, DTensorSpec(spec.mesh, placements, tensor_meta=spec.tensor_meta)
 
 
 def _wrap(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    """``OpDispatcher.wrap(res, spec)``: the resharded spec for the results just made above."""
-    pending, _pending.value = _pending.value, None
-    if pending is not None and args and args[0] is pending[0]:
-        return wrapped(args[0], pending[1])
-    return wrapped(*args, **kwargs)
+    """``OpDispatcher.wrap(result, spec)`` (torch 2.4-2.9) once an op fell back: its results
+    resharded like their input."""
+    resharded = _resharded_result(*args[:2]) if len(args) >= 2 else None
+    return wrapped(*args, **kwargs) if resharded is None else wrapped(*resharded)
+
+
+def _local_results(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                   kwargs: Dict[str, Any]) -> Any:
+    """``OpDispatcher._dispatch_get_local_results_slow_path`` (torch 2.10+, whose C++ dispatch
+    wraps the results itself, with the output spec of the sharding it cached): for an op that fell
+    back, the results resharded, and that sharding's output spec made the resharded one the first
+    time (noted, so that later calls reshard their replicated results the same way)."""
+    op_call, _, op_info = args[:3]
+    results = wrapped(*args, **kwargs)
+    if op_call not in _fallen_back or results is None:
+        return results
+    sharding = op_info.output_sharding
+    specs = sharding.output_spec
+    if isinstance(results, (list, tuple)):
+        _resharded_result(results, specs)  # the refusal, for the tuple as a whole
+        pairs = [_resharded_result(r, s) or (r, s) for r, s in zip(results, specs)]
+        results, new = type(results)(r for r, _ in pairs), tuple(s for _, s in pairs)
+    else:
+        results, new = _resharded_result(results, specs) or (results, specs)
+    if new != specs:
+        op = _resharded[id(specs)][1]
+        for spec in (new if isinstance(new, tuple) else (new,)):
+            _resharded[id(spec)] = (spec, op, getattr(spec, "placements", None))
+        _resharded[id(new)] = (new, op, getattr(new, "placements", None))
+        sharding.output_spec = new
+    return results
+
+
+def _local_shape_and_offset() -> Callable[..., Any]:
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:  # torch 2.4
+        from torch.distributed._tensor._utils import compute_local_shape_and_global_offset
+    return compute_local_shape_and_global_offset
+
+
+_installed: Dict[str, Any] = {}  # "patcher" and "dispatcher": what _hook_wrap installs with
+
+
+def _hook_wrap() -> None:
+    """Wrap ``OpDispatcher.wrap`` (called on every op, torch 2.4-2.9) the first time an op falls
+    back: until then no op pays for it."""
+    with _wrap_lock:
+        if "wrapped" not in _installed and hasattr(_installed["dispatcher"], "dispatch"):
+            _installed["wrapped"] = _installed["patcher"].wrap(_installed["dispatcher"], "wrap", _wrap)
+
+
+def _route_cache(patcher: Patcher, propagator: Any) -> None:
+    """A propagator made before the patch bound the original method into its sharding cache: a new
+    cache of the same kind, through the wrapped method."""
+    cache = propagator.propagate_op_sharding
+    method = propagator.propagate_op_sharding_non_cached
+    if isinstance(cache, functools._lru_cache_wrapper):  # torch 2.4-2.8
+        routed = functools.lru_cache(None)(method)
+    elif isinstance(getattr(cache, "cache", None), functools._lru_cache_wrapper):  # 2.9+: LocalLRUCache
+        routed = type(cache)(method)
+    else:
+        raise RuntimeError("DTensor's sharding cache is of a kind this patch does not know")
+    patcher.setattr(propagator, "propagate_op_sharding", routed)
 
 
 def _teach_op_dispatcher(patcher: Patcher, dispatch: ModuleType) -> Optional[bool]:
     cls = getattr(dispatch, "OpDispatcher", None)
     if cls is None or cls.__module__ != dispatch.__name__:  # absent, or re-exported from elsewhere
         return False
-    if hasattr(cls, "dispatch"):
-        patcher.wrap(cls, "dispatch", _dispatch)
-        return True
-    if not (hasattr(cls, "_propagate_op_sharding_dispatch_slow_path")
-            and hasattr(cls, "_dispatch_get_local_results_slow_path") and hasattr(cls, "wrap")):
+    propagator = getattr(dispatch, "ShardingPropagator", None)
+    if propagator is None or not hasattr(propagator, "propagate_op_sharding_non_cached") or not hasattr(cls, "wrap"):
         import torch
 
-        raise RuntimeError(f"torch {torch.__version__}'s C++ DTensor dispatch has no hook this patch knows")
-    patcher.wrap(cls, "_propagate_op_sharding_dispatch_slow_path", _propagate_slow_path)
-    patcher.wrap(cls, "_dispatch_get_local_results_slow_path", _local_results_slow_path)
-    patcher.wrap(cls, "wrap", _wrap)
+        raise RuntimeError(f"torch {torch.__version__}'s DTensor dispatch has no hook this patch knows")
+    patcher.wrap(propagator, "propagate_op_sharding_non_cached", _propagate)
+    api = sys.modules.get("torch.distributed.tensor._api") or sys.modules.get("torch.distributed._tensor.api")
+    existing = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+    if existing is not None:  # DTensor imported before torchpatch was installed
+        _route_cache(patcher, existing.sharding_propagator)
+    if not hasattr(cls, "dispatch"):  # torch 2.10+: dispatch in C++, which wraps results itself
+        patcher.wrap(cls, "_dispatch_get_local_results_slow_path", _local_results)
+    _installed.update(patcher=patcher, dispatcher=cls)
+    patcher.on_undo(lambda: (_installed.clear(), _resharded.clear()))
     return True
 
 

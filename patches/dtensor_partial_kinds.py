@@ -48,15 +48,27 @@ REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distri
 _UPSTREAM_MESSAGE = "Redistribution from one partial type"
 
 
-def _refuse_partial_conversion(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    current = args[1] if len(args) > 1 else kwargs["current_spec"]
-    target = args[2] if len(args) > 2 else kwargs["target_spec"]
+def _check_conversion(current: Any, target: Any) -> None:
     for have, want in zip(current.placements, target.placements):
         a, b = partial_reduction(have), partial_reduction(want)  # a _NormPartial's conversions stay torch's
         if a is not None and b is not None and a != b:
             raise AssertionError(f"Redistribution from one partial type (P({a})) to another (P({b})) is unsupported. "
                                  "(torchpatch dtensor-partial-kinds: torch 2.13 and later raise this error; this torch "
                                  "would leave the local tensors as they are, a wrong value.)")
+
+
+def _refuse_in_plan(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``_gen_transform_infos(src_spec, dst_spec)``, the plan of a redistribution, made once per
+    pair of specs (cached: a refusal is never cached, so it raises every time)."""
+    _check_conversion(*(args + tuple(kwargs.values()))[:2])
+    return wrapped(*args, **kwargs)
+
+
+def _refuse_in_redistribution(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...],
+                              kwargs: Dict[str, Any]) -> Any:
+    """``redistribute_local_tensor(local, current_spec, target_spec)``, where torch has no cached plan."""
+    _check_conversion(args[1] if len(args) > 1 else kwargs["current_spec"],
+                      args[2] if len(args) > 2 else kwargs["target_spec"])
     return wrapped(*args, **kwargs)
 
 
@@ -70,7 +82,18 @@ def refuse_partial_conversions(patcher: Patcher, redistribute: ModuleType) -> bo
             return False
     except (OSError, TypeError):
         pass  # no source: check anyway (the check only raises where the conversion would be a no-op)
-    patcher.wrap(redistribute, "redistribute_local_tensor", _refuse_partial_conversion)
+    cached = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+: called on a cache miss
+        patcher.wrap(redistribute, "_gen_transform_infos_non_cached", _refuse_in_plan)
+    elif hasattr(cached, "cache_clear") and hasattr(cached, "__wrapped__"):  # 2.4: an lru_cache of the plan
+        import functools
+
+        import wrapt
+
+        plan = wrapt.FunctionWrapper(cached.__wrapped__, _refuse_in_plan)
+        patcher.setattr(redistribute, "_gen_transform_infos", functools.lru_cache(maxsize=None)(plan))
+    else:  # no plan cached: checked on every redistribution
+        patcher.wrap(redistribute, "redistribute_local_tensor", _refuse_in_redistribution)
     return True
 
 

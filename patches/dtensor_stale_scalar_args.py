@@ -37,30 +37,36 @@ PATCH = Patch(
 )
 
 
-class _ShapeOps:
-    """``op in shape_ops``, asked of the propagator when an op runs (it exists by then)."""
-
-    def __contains__(self, op: Any) -> bool:
-        try:
-            from torch.distributed.tensor._api import DTensor
-        except ImportError:  # torch 2.2-2.4
-            from torch.distributed._tensor.api import DTensor
-        return op in DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx
+_found: Dict[str, Any] = {}  # "shape_ops": what _shape_ops gave, once
 
 
-def _live_scalars(shape_ops: Any) -> Callable[..., Any]:
-    def redistribute_local_args(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-        result = wrapped(*args, **kwargs)
-        op_info = args[0] if args else kwargs["op_info"]
-        if op_info.schema.op in shape_ops:  # shapes rewritten for the local shards: keep them
-            return result
-        live = op_info.flat_args_schema
-        if len(live) == len(op_info.local_args):
-            op_info.local_args = tuple(
-                local if hasattr(spec, "placements") else spec for spec, local in zip(live, op_info.local_args))
+def _shape_ops() -> Any:
+    """The ops whose shape arguments sharding propagation rewrites (the propagator exists once an op
+    runs; looked up then, once)."""
+    try:
+        from torch.distributed.tensor._api import DTensor
+    except ImportError:  # torch 2.2-2.4
+        from torch.distributed._tensor.api import DTensor
+    return DTensor._op_dispatcher.sharding_propagator.op_to_shape_and_stride_idx
+
+
+def _live_scalars(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``OpDispatcher.redistribute_local_args(op_info, ...)`` (only for an op whose inputs move):
+    then this call's numbers back into the local arguments."""
+    result = wrapped(*args, **kwargs)
+    op_info = args[0] if args else kwargs["op_info"]
+    shape_ops = _found.get("shape_ops")
+    if shape_ops is None:
+        shape_ops = _found["shape_ops"] = _shape_ops()
+    if op_info.schema.op in shape_ops:  # shapes rewritten for the local shards: keep them
         return result
-
-    return redistribute_local_args
+    live, local_args = op_info.flat_args_schema, op_info.local_args
+    if len(live) == len(local_args):
+        kept = []
+        for spec, local in zip(live, local_args):
+            kept.append(local if hasattr(spec, "placements") else spec)
+        op_info.local_args = tuple(kept)
+    return result
 
 
 @PATCH.on_import(DISPATCH_MODULES[0])
@@ -78,6 +84,7 @@ def use_live_numbers(patcher: Patcher, dispatch: ModuleType) -> bool:
         return False  # torch 2.9+: the dispatcher already keeps this call's numbers
     if getattr(dispatcher, "_torchpatch_live_scalars", False) or "redistribute_local_args" not in vars(dispatcher):
         return False
-    patcher.wrap(dispatcher, "redistribute_local_args", _live_scalars(_ShapeOps()))
+    patcher.wrap(dispatcher, "redistribute_local_args", _live_scalars)
+    patcher.on_undo(_found.clear)
     patcher.setattr(dispatcher, "_torchpatch_live_scalars", True)
     return True

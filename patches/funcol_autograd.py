@@ -149,15 +149,24 @@ def _settled(setup: Callable[[Any, Tuple[Any, ...], Any], None]) -> Callable[[An
     return setup_context
 
 
+class _Resolved:
+    """What the per-collective kernels below call, looked up once when the patch applies."""
+
+    wait: Any = None  # torch.ops._c10d_functional.wait_tensor.default
+    no_grad: Any = None
+    below_autograd: Any = None  # torch._C._AutoDispatchBelowAutograd
+    grad_enabled: Any = None  # torch.is_grad_enabled
+    tracing: Any = None  # funcol._are_we_tracing
+    from_torch: Any = None  # funcol._FromTorchTensor.apply
+
+
 def _wait_autograd(tensor: Any) -> Any:
     """wait_tensor's Autograd kernel: wait below autograd and without grad, hand back the input
     itself (the op returns its argument), so the gradient passes unchanged through the graph
     already there. (On torch 2.4 the wait of a gloo all_gather copies the result into the output,
     a view made without grad: with grad enabled autograd refuses that copy.)"""
-    import torch
-
-    with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
-        _ops().wait_tensor(tensor)
+    with _Resolved.no_grad(), _Resolved.below_autograd():
+        _Resolved.wait(tensor)
     return tensor
 
 
@@ -175,13 +184,9 @@ _FORMULAS = {
 def _connected_wrap(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     """``_maybe_wrap_tensor(output)``: an output that requires grad gets its AsyncCollectiveTensor
     through ``_FromTorchTensor`` (identity backward), so the wrapper stays in the graph."""
-    import torch
-    import torch.distributed._functional_collectives as funcol
-
     tensor = args[0] if args else next(iter(kwargs.values()))
-    if (isinstance(tensor, torch.Tensor) and tensor.requires_grad and torch.is_grad_enabled()
-            and not funcol._are_we_tracing()):
-        return funcol._FromTorchTensor.apply(tensor)  # its forward calls _maybe_wrap_tensor under no_grad
+    if getattr(tensor, "requires_grad", False) and _Resolved.grad_enabled() and not _Resolved.tracing():
+        return _Resolved.from_torch(tensor)  # its forward calls _maybe_wrap_tensor under no_grad
     return wrapped(*args, **kwargs)
 
 
@@ -190,13 +195,16 @@ def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
     import torch
 
     register = getattr(torch.library, "register_autograd", None)
-    if register is None or not hasattr(funcol, "_FromTorchTensor") or not hasattr(funcol, "_maybe_wrap_tensor"):
+    if register is None or not all(hasattr(funcol, n) for n in ("_FromTorchTensor", "_maybe_wrap_tensor", "_are_we_tracing")):
         return False  # torch < 2.4, or a module laid out unlike 2.4-2.12's
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     missing = [name for name in [*_FORMULAS, "wait_tensor"]
                if hasattr(_ops(), name) and not has_kernel(f"{_NS}::{name}", "Autograd")]
     if "all_reduce" not in missing:
         return False  # torch registers the formulas itself (2.13+)
+    _Resolved.wait, _Resolved.no_grad = _ops().wait_tensor.default, torch.no_grad
+    _Resolved.below_autograd, _Resolved.grad_enabled = torch._C._AutoDispatchBelowAutograd, torch.is_grad_enabled
+    _Resolved.tracing, _Resolved.from_torch = funcol._are_we_tracing, funcol._FromTorchTensor.apply
     lib = torch.library.Library(_NS, "FRAGMENT")
     patcher.on_undo(lib._destroy)
     for name in missing:

@@ -264,3 +264,37 @@ def test_context_parallel_on_cpu(tmp_path):
         refused = patched[key]
         assert refused.startswith("RuntimeError: torchpatch (dtensor-op-fallback): aten._scaled_dot_product"), refused
         assert "enable_load_balance = False" in refused
+
+
+LATE_INSTALL = """
+import json, warnings, torch, torch.distributed as dist
+from torch.distributed._tensor import Shard, distribute_tensor  # DTensor imported natively first
+from torch.distributed.device_mesh import init_device_mesh
+import torchpatch
+torchpatch.install()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+
+@torch.library.custom_op("tplate::double", mutates_args=())
+def double(q: torch.Tensor) -> torch.Tensor:
+    return q * 2
+
+@double.register_fake
+def _(q):
+    return torch.empty_like(q)
+
+x = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    results = [double(x) for _ in range(2)]
+print(json.dumps({"status": torchpatch.status().get("dtensor-op-fallback"),
+                  "results": [[str(list(r.placements)), torch.equal(r.to_local(), x.to_local() * 2)] for r in results]}))
+"""
+
+
+@only_torch(">=2.4")
+def test_op_fallback_after_a_late_install():
+    """``torchpatch.install()`` after DTensor was imported: the propagator made then had bound
+    torch's method into its sharding cache; the patch routes a new cache through its hook."""
+    out = run_json(LATE_INSTALL, env=clean_env())
+    assert out == {"status": "applied", "results": [["[Shard(dim=0)]", True]] * 2}

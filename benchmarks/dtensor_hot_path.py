@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""What torchpatch costs on DTensor's hot path: a benchmark script that prints ratios, never a test.
+
+Each job is 2 ranks on gloo (CPU, one thread each), started fresh; jobs alternate their two sides
+(``TORCHPATCH=1`` and the baseline, the first side alternating too) so that drift on the machine hits
+both alike. Every figure is CPU time of the rank's main thread (``time.thread_time``: what dispatch
+costs in Python, not waits for the peer), rank 0's, the median of blocks within a job; a side's
+figure is the median over its jobs, and the verdict is on the ratio of the two medians. Each
+measure also reports the spread of its jobs (IQR over median): on a shared 2-vCPU virtual machine
+the same job's CPU per op varies up to 2x from one process to the next (an A/A run,
+``--on-env TORCHPATCH=0``, shows it), so ratios near 1 need many pairs or a quiet machine; the
+``calls`` counts below are exact.
+
+1. ``ops``: one DTensor op at a time on a 1-D mesh of 2: ``add`` (Shard(0) + Shard(0)), ``sum``
+   (to a Partial), ``mul_number`` (Shard(0) * 2.0), ``redistribute`` (Shard(0) -> Replicate(), an
+   all-gather) and ``matmul`` (Shard(0) @ Replicate()). Target: ratio <= 1.03 each.
+   Rank 1 blocks on the store while rank 0 times an op without communication.
+2. ``steps``: a tensor-parallel MLP step (ColwiseParallel + RowwiseParallel, forward, backward,
+   SGD) and an FSDP2 step (``fully_shard`` on the same MLP). Target: ratio <= 1.02 each. Where
+   the step cannot run natively (FSDP2 on CPU on torch 2.4), the baseline is ``TORCHPATCH=1`` with
+   only the patch the step needs (``TORCHPATCH_ENABLE``), and the line says so.
+3. ``calls``: Python calls into torchpatch's code during one call of each op and one step of each (``sys.setprofile`` in
+   rank 0, after warm-up), by function. Target: at most 5 per TP step.
+
+    python benchmarks/dtensor_hot_path.py --python ~/.cache/torchpatch/nox/matrix-torch-2-9-0/bin/python
+    python benchmarks/dtensor_hot_path.py --python PY --pairs 9 --json
+
+``--python`` is an interpreter with torch and torchpatch installed (the wheel: reinstall it after
+changing the source). Exit status 0 when every target is met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+TARGETS = {"add": 1.03, "sum": 1.03, "mul_number": 1.03, "redistribute": 1.03, "matmul": 1.03,
+           "tp_step": 1.02, "fsdp2_step": 1.02}
+CALLS_TARGET = 5
+# Steps that cannot run natively on some torch, and the one patch they need there.
+NEEDS = {"fsdp2_step": "fsdp2-cpu"}
+
+
+# -- the rank worker ---------------------------------------------------------------------------------
+
+def _worker(blocks: int, per_block: int, steps: int, count_calls: bool) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    cpus = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # each rank on its own CPU, the same one each job
+    try:
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    except ImportError:  # torch 2.1-2.4 natively
+        from torch.distributed._tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    a = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
+    b = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
+    w = distribute_tensor(torch.randn(32, 16), mesh, [Replicate()])
+    def add() -> Any:
+        return a + b
+
+    def sum_() -> Any:
+        return a.sum()
+
+    def mul_number() -> Any:
+        return a * 2.0
+
+    def redistribute() -> Any:
+        return a.redistribute(mesh, [Replicate()])
+
+    def matmul() -> Any:
+        return a @ w
+
+    ops = {"add": add, "sum": sum_, "mul_number": mul_number, "redistribute": redistribute, "matmul": matmul}
+    result: Dict[str, Any] = {"us": {}, "errors": {}, "calls": {}}
+
+    store = dist.distributed_c10d._get_default_store()
+
+    def per_call(fn: Any, n: int, repeat: int, alone: bool = False) -> float:
+        """Median CPU per call over ``repeat`` blocks of ``n``; ``alone`` (an op without
+        communication): rank 1 blocks on the store meanwhile (gloo's barrier polls, and on a 2-vCPU
+        machine the other vCPU may be this core's hyperthread), so rank 0 has the core to itself."""
+        key = f"hot-path/{fn.__name__}/{n}"
+        if alone and rank != 0:
+            store.get(key)
+            return 0.0
+        for _ in range(max(5, n // 4)):  # warm-up: sharding caches filled
+            fn()
+        times = []
+        for _ in range(repeat):
+            if not alone:
+                dist.barrier()
+            start = time.thread_time_ns()
+            for _ in range(n):
+                fn()
+            times.append((time.thread_time_ns() - start) / n / 1000)
+        if alone:
+            store.set(key, "done")
+        return statistics.median(times)
+
+    for name, fn in ops.items():
+        result["us"][name] = per_call(fn, per_block, blocks, alone=(name != "redistribute"))
+        if count_calls and (rank == 0 or name == "redistribute"):  # a collective: both ranks
+            result["calls"][name] = _calls_in(fn)
+
+    for name, make in (("tp_step", _tp_step), ("fsdp2_step", _fsdp2_step)):
+        try:
+            step = make(mesh)
+            result["us"][name] = per_call(step, 1, steps)
+        except Exception as exc:  # noqa: BLE001 - reported, the other measurements stand
+            result["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        if count_calls:
+            result["calls"][name] = _calls_in(step)
+    dist.barrier()
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # gloo's teardown can hang on some torches: leave deterministically
+
+
+def _mlp() -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+
+
+def _train_step(model: Any, x: Any) -> Any:
+    import torch
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def step() -> None:
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    return step
+
+
+def _tp_step(mesh: Any) -> Any:
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = parallelize_module(_mlp(), mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return _train_step(model, torch.randn(8, 64))
+
+
+def _fsdp2_step(mesh: Any) -> Any:
+    import torch
+
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # torch 2.4-2.5
+        from torch.distributed._composable.fsdp import fully_shard
+    model = _mlp()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _train_step(model, torch.randn(8, 64))
+
+
+def _calls_in(step: Any) -> Dict[str, int]:
+    """Python calls into torchpatch's code during one call of ``step``, by function."""
+    import torchpatch
+
+    root = str(Path(torchpatch.__file__).resolve().parent)
+    counts: Dict[str, int] = {}
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(root):
+            key = f"{code.co_filename[len(root) + 1:]}:{code.co_name}"
+            counts[key] = counts.get(key, 0) + 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return counts
+
+
+# -- the parent: alternated jobs -------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _job(python: str, env_side: Dict[str, str], args: argparse.Namespace, count_calls: bool) -> Dict[str, Any]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTHON"))}
+    env.update(env_side, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHPATCH_LOG="off")
+    command = [python, __file__, "--worker", str(args.blocks), str(args.per_block), str(args.steps),
+               "1" if count_calls else "0"]
+    ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    outs = [p.communicate(timeout=args.timeout) for p in ranks]
+    line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"rank 0 gave no result (exit {ranks[0].returncode}):\n{outs[0][1][-3000:]}")
+    return json.loads(line[len("RESULT "):])
+
+
+def _spread(values: List[float]) -> float:
+    """Interquartile range over median: how far apart the jobs of one side are (a ratio closer to 1
+    than this is not resolved by these jobs; an A/A run, ``--on-env TORCHPATCH=0``, shows it)."""
+    if len(values) < 4:
+        return (max(values) - min(values)) / statistics.median(values)
+    q = statistics.quantiles(values, n=4)
+    return (q[2] - q[0]) / statistics.median(values)
+
+
+def _version(python: str) -> str:
+    return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
+                          text=True, env={**os.environ, "TORCHPATCH": "0"}).stdout.strip()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--python", default=sys.executable, help="interpreter with torch and torchpatch")
+    parser.add_argument("--pairs", type=int, default=7, help="jobs per side (alternated), default 7")
+    parser.add_argument("--blocks", type=int, default=9, help="timed blocks per op in a job")
+    parser.add_argument("--per-block", type=int, default=200, help="op calls per block")
+    parser.add_argument("--steps", type=int, default=15, help="timed steps per job")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds a job may take")
+    parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also set this in the TORCHPATCH=1 side, e.g. TORCHPATCH_DISABLE=funcol-autograd "
+                             "to see what one patch costs (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+
+    version = _version(args.python)
+    on = {"TORCHPATCH": "1", **dict(item.split("=", 1) for item in args.on_env)}
+    sides: Dict[str, List[Dict[str, Any]]] = {"on": [], "off": [], "needs": []}
+    calls: Dict[str, Dict[str, int]] = {}
+    for pair in range(args.pairs):
+        order = [("on", on), ("off", {})] if pair % 2 == 0 else [("off", {}), ("on", on)]
+        for side, env_side in order:
+            result = _job(args.python, env_side, args, count_calls=(side == "on" and not calls))
+            calls = calls or result["calls"]
+            sides[side].append(result)
+        needed = [NEEDS[s] for s in NEEDS if s in sides["off"][-1]["errors"] and s not in sides["on"][-1]["errors"]]
+        if needed:  # a step that cannot run natively: a baseline with only the patch it needs
+            sides["needs"].append(_job(args.python, {"TORCHPATCH": "1", "TORCHPATCH_ENABLE": ",".join(needed)},
+                                       args, False))
+
+    report: Dict[str, Any] = {"torch": version, "pairs": args.pairs, "on": on, "measures": {}, "calls": calls}
+    met = True
+    for name, target in TARGETS.items():
+        on_us = [r["us"][name] for r in sides["on"] if name in r["us"]]
+        base, baseline = sides["off"], "TORCHPATCH unset"
+        if not [r for r in base if name in r["us"]] and sides["needs"]:
+            base, baseline = sides["needs"], f"TORCHPATCH=1 TORCHPATCH_ENABLE={NEEDS[name]}"
+        off_us = [r["us"][name] for r in base if name in r["us"]]
+        if not on_us or not off_us:
+            errors = {r["errors"].get(name) for r in sides["on"] + base} - {None}
+            report["measures"][name] = {"error": sorted(errors)}
+            met = False
+            continue
+        ratio = statistics.median(on_us) / statistics.median(off_us)
+        met &= ratio <= target
+        report["measures"][name] = {"on_us": round(statistics.median(on_us), 2),
+                                    "off_us": round(statistics.median(off_us), 2), "ratio": round(ratio, 3),
+                                    "target": target, "baseline": baseline,
+                                    "spread": round(max(_spread(on_us), _spread(off_us)), 2),
+                                    "on_jobs": [round(v, 1) for v in on_us], "off_jobs": [round(v, 1) for v in off_us]}
+    tp_calls = sum(calls.get("tp_step", {}).values())
+    report["tp_step_calls"] = tp_calls
+    met &= tp_calls <= CALLS_TARGET
+    report["met"] = met
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(f"torch {version}, {args.pairs} jobs a side, CPU of rank 0's main thread; on: "
+              + " ".join(f"{k}={v}" for k, v in on.items()))
+        for name, m in report["measures"].items():
+            if "error" in m:
+                print(f"  {name:14} cannot run: {'; '.join(m['error'])[:200]}")
+            else:
+                print(f"  {name:14} {m['on_us']:10.1f} us on  {m['off_us']:10.1f} us off ({m['baseline']})"
+                      f"  ratio {m['ratio']:.3f}  target <= {m['target']}  (jobs' IQR {m['spread']:.0%} of the median)")
+        for step, counts in calls.items():  # the ops, then the steps
+            top = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
+            print(f"  calls into torchpatch per {step}: {sum(counts.values())}" + (f" ({top})" if top else ""))
+        print("every target met" if met else "some target missed")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1")
+    else:
+        sys.exit(main())
