@@ -6,10 +6,12 @@ Each job is 2 ranks on gloo (CPU, one thread each), started fresh; jobs alternat
 both alike. Every figure is CPU time of the rank's main thread (``time.thread_time``: what dispatch
 costs in Python, not waits for the peer), rank 0's, the median of blocks within a job; a side's
 figure is the median over its jobs, and the verdict is on the ratio of the two medians. Each
-measure also reports the spread of its jobs (IQR over median): on a shared 2-vCPU virtual machine
-the same job's CPU per op varies up to 2x from one process to the next (an A/A run,
-``--on-env TORCHPATCH=0``, shows it), so ratios near 1 need many pairs or a quiet machine; the
-``calls`` counts below are exact.
+measure also reports the spread of its jobs (IQR over median). Jobs run with address-space
+randomization off (``setarch -R``, where it exists; ``--aslr`` keeps it): with it on, the CPU of one
+DTensor op of the same job on this machine is about 42 us in most processes and about 77 us in
+others (an A/A run, ``--on-env TORCHPATCH=0``, shows it), a 2x that no number of pairs resolves a
+3% target through. Off, every process of a side has the same layout (so a layout that happens to
+be slow for one side is a bias this cannot rule out). The ``calls`` counts below are exact.
 
 1. ``ops``: one DTensor op at a time on a 1-D mesh of 2: ``add`` (Shard(0) + Shard(0)), ``sum``
    (to a Partial), ``mul_number`` (Shard(0) * 2.0), ``redistribute`` (Shard(0) -> Replicate(), an
@@ -34,6 +36,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -211,6 +215,9 @@ def _job(python: str, env_side: Dict[str, str], args: argparse.Namespace, count_
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHPATCH_LOG="off")
     command = [python, __file__, "--worker", str(args.blocks), str(args.per_block), str(args.steps),
                "1" if count_calls else "0"]
+    setarch = shutil.which("setarch")
+    if setarch and not args.aslr:  # the same addresses in every process: see the module's docstring
+        command = [setarch, platform.machine(), "-R", *command]
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     outs = [p.communicate(timeout=args.timeout) for p in ranks]
@@ -246,6 +253,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--on-env", action="append", default=[], metavar="NAME=VALUE",
                         help="also set this in the TORCHPATCH=1 side, e.g. TORCHPATCH_DISABLE=funcol-autograd "
                              "to see what one patch costs (repeatable)")
+    parser.add_argument("--aslr", action="store_true",
+                        help="keep address-space randomization on in the jobs (default: off, through setarch -R)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
 

@@ -140,25 +140,24 @@ def _needs_fix(group: Any, outputs: List[Any], inputs: List[Any], opts: Any) -> 
 
 
 def _bind(instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], names: Tuple[str, str]) -> Tuple[Any, Any, Any, Any]:
-    """(group, outputs, inputs, opts) of a ``ProcessGroup`` method call, bound or not."""
-    from torch._C._distributed_c10d import ReduceScatterOptions
-
+    """(group, outputs, inputs, opts) of a ``ProcessGroup`` method call, bound or not (opts None
+    where the call leaves them out: the default, a SUM, which needs no fix)."""
     group, rest = (instance, args) if instance is not None else (args[0], args[1:])
     values = dict(zip((*names, "opts"), rest))
     values.update(kwargs)
-    return group, values.get(names[0]), values.get(names[1]), values.get("opts") or ReduceScatterOptions()
+    return group, values.get(names[0]), values.get(names[1]), values.get("opts")
 
 
 def _reduce_scatter_base(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     group, output, input, opts = _bind(instance, args, kwargs, ("outputTensor", "inputTensor"))
-    if output is None or input is None or not _needs_fix(group, [output], [input], opts):
+    if opts is None or output is None or input is None or not _needs_fix(group, [output], [input], opts):
         return wrapped(*args, **kwargs)
     return _reduce_scatter(group, [output], [input], opts)
 
 
 def _reduce_scatter_coalesced(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     group, outputs, inputs, opts = _bind(instance, args, kwargs, ("outputTensors", "inputTensors"))
-    if outputs is None or inputs is None or not _needs_fix(group, list(outputs), list(inputs), opts):
+    if opts is None or outputs is None or inputs is None or not _needs_fix(group, list(outputs), list(inputs), opts):
         return wrapped(*args, **kwargs)
     return _reduce_scatter(group, list(outputs), list(inputs), opts)
 
@@ -176,11 +175,28 @@ def _funcol_group(funcol: Any, group: Any, tag: str) -> Any:
     return _resolve_process_group(funcol._resolve_group_name(group, tag))
 
 
+_signatures: Dict[Any, inspect.Signature] = {}  # funcol's functions, read once
+
+
+def _arguments(wrapped: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    signature = _signatures.get(wrapped)
+    if signature is None:
+        signature = _signatures[wrapped] = inspect.signature(wrapped)
+    return signature.bind(*args, **kwargs).arguments
+
+
+def _op_argument(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> str:
+    """``reduceOp``, funcol's second parameter, lower-cased: the sum (the common case) is left to torch
+    before anything else is looked at."""
+    return str(args[1] if len(args) > 1 else kwargs.get("reduceOp", "")).lower()
+
+
 def _funcol_reduce_scatter(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    a = inspect.signature(wrapped).bind(*args, **kwargs).arguments
-    op = str(a["reduceOp"]).lower()
+    op = _op_argument(args, kwargs)
     if op == "sum":
         return wrapped(*args, **kwargs)
+    a = _arguments(wrapped, args, kwargs)
+    op = str(a["reduceOp"]).lower()
     import torch
     import torch.distributed._functional_collectives as funcol
 
@@ -196,7 +212,9 @@ def _funcol_reduce_scatter(wrapped: Any, instance: Any, args: Tuple[Any, ...], k
 
 
 def _funcol_reduce_scatter_coalesced(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    a = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+    if _op_argument(args, kwargs) == "sum":
+        return wrapped(*args, **kwargs)
+    a = _arguments(wrapped, args, kwargs)
     inputs, op, dims, group, tag = a["inputs"], a["reduceOp"], a["scatter_dim"], a["group"], a.get("tag", "")
     if str(op).lower() == "sum" or not inputs or len(dims) != len(inputs):
         return wrapped(*args, **kwargs)
