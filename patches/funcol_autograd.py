@@ -22,7 +22,9 @@ Fix:           where the dispatcher has no Autograd kernel for them, register th
                wait_tensor waits below autograd and returns its input, as the op does; and the AsyncCollectiveTensor of an output that requires
                grad is made with torch's own ``_FromTorchTensor`` (identity backward), as torch's
                ``*_autograd`` variants and 2.13's ``_wrap_tensor_autograd`` do. Kernels are
-               registered on a Library fragment that undo destroys. The coalesced ops
+               registered on a Library fragment that undo destroys; a collective's kernel runs its
+               autograd.Function only when grad is enabled and an input requires it (torch 2.4's
+               ``register_autograd`` ran it on every call: the patch registers the kernel itself there). The coalesced ops
                (``all_reduce_coalesced``, ``all_gather_into_tensor_coalesced``,
                ``reduce_scatter_tensor_coalesced``) get 2.13's formulas too: each gradient goes
                through the coalesced op of the backward. A CPU collective whose input requires
@@ -190,6 +192,38 @@ def _connected_wrap(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: 
     return wrapped(*args, **kwargs)
 
 
+def _requires_grad(args: Tuple[Any, ...]) -> bool:
+    for arg in args:
+        if isinstance(arg, (list, tuple)):
+            if any(getattr(t, "requires_grad", False) for t in arg):
+                return True
+        elif getattr(arg, "requires_grad", False):
+            return True
+    return False
+
+
+def _register_skipping_without_grad(lib: Any, name: str, backward: Callable[..., Any],
+                                    setup: Callable[..., Any]) -> None:
+    """What ``register_autograd`` registers, as torch 2.5+ runs it: the op's autograd.Function only
+    when grad is enabled and an input requires it, else the op below autograd. (torch 2.4's kernel
+    runs the Function on every call, each functional collective of a DTensor redistribution included:
+    +50% of a redistribution's CPU.)"""
+    import torch
+    from torch._library.autograd import Info, make_autograd_impl
+
+    op = getattr(_ops(), name).default
+    with_grad = make_autograd_impl(op, Info(backward, setup))
+    after_autograd = torch._C._after_autograd_keyset
+
+    def autograd_kernel(keyset: Any, *args: Any, **keyword_only: Any) -> Any:
+        if _Resolved.grad_enabled() and _requires_grad(args):
+            return with_grad(keyset, *args, **keyword_only)
+        with _Resolved.below_autograd():
+            return op.redispatch(keyset & after_autograd, *args, **keyword_only)
+
+    lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+
 @PATCH.on_import("torch.distributed._functional_collectives")
 def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
     import torch
@@ -212,6 +246,9 @@ def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
             lib.impl(name, _wait_autograd, "Autograd")
         else:
             backward, setup = _FORMULAS[name]
-            register(f"{_NS}::{name}", backward, setup_context=_settled(setup), lib=lib)
+            if hasattr(torch._C, "_any_requires_grad"):  # its kernel skips the Function without grad
+                register(f"{_NS}::{name}", backward, setup_context=_settled(setup), lib=lib)
+            else:  # torch 2.4: its kernel runs the autograd.Function on every call
+                _register_skipping_without_grad(lib, name, backward, _settled(setup))
     patcher.wrap(funcol, "_maybe_wrap_tensor", _connected_wrap)
     return True

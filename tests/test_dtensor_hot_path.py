@@ -75,7 +75,8 @@ STEP_HOOKS = {
     "patches/dtensor_stale_scalar_args.py:_live_scalars": "<2.9",
     "patches/dtensor_inplace_placement_change.py:_refuse_self_redistribution": "<2.13",
     "patches/funcol_autograd.py:_connected_wrap": "<2.13",
-    "patches/funcol_autograd.py:setup_context": "<2.5",  # 2.4's register_autograd runs its Function
+    "patches/funcol_autograd.py:autograd_kernel": "<2.5",  # 2.4: the kernel that skips the Function without grad
+    "patches/funcol_autograd.py:setup_context": "<2.5",
     "patches/funcol_autograd.py:_all_reduce_setup": "<2.5",
     "patches/gloo_avg.py:_all_reduce": "<2.5",
     "patches/dtensor_op_fallback.py:_local_results": ">=2.10",
@@ -92,11 +93,12 @@ def test_a_tensor_parallel_step_calls_only_hooks_off_the_per_op_path(counted):
 @only_torch(">=2.4")
 def test_a_redistribution_pays_only_for_differentiable_collectives(counted):
     """On 2.4-2.12 funcol-autograd gives the functional collectives an Autograd kernel (in Python):
-    the wait's, and the output's AsyncCollectiveTensor; 2.4's ``register_autograd`` also runs
-    its Function for a collective that needs no grad. Nothing else is on the way."""
+    the wait's, and the output's AsyncCollectiveTensor; on 2.4 the collective's own (torch 2.4's
+    ``register_autograd`` would run its Function even when nothing needs grad: the patch's kernel
+    does not). Nothing else is on the way."""
     expected = {"patches/funcol_autograd.py:_wait_autograd", "patches/funcol_autograd.py:_connected_wrap"}
     if torch_matches("<2.5"):
-        expected |= {"patches/funcol_autograd.py:setup_context", "patches/funcol_autograd.py:_all_gather_setup"}
+        expected.add("patches/funcol_autograd.py:autograd_kernel")
     if torch_matches(">=2.13"):
         expected = set()
     assert set(counted["redistribute"]) <= expected, counted["redistribute"]
