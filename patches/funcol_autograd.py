@@ -203,14 +203,17 @@ def _requires_grad(args: Tuple[Any, ...]) -> bool:
 
 
 def _register_skipping_without_grad(lib: Any, name: str, backward: Callable[..., Any],
-                                    setup: Callable[..., Any]) -> None:
+                                    setup: Callable[..., Any]) -> bool:
     """What ``register_autograd`` registers, as torch 2.5+ runs it: the op's autograd.Function only
     when grad is enabled and an input requires it, else the op below autograd. (torch 2.4's kernel
-    runs the Function on every call, each functional collective of a DTensor redistribution included:
-    +50% of a redistribution's CPU.)"""
+    runs the Function on every call, each functional collective of a DTensor redistribution included.)
+    False, registering nothing, where torch's pieces for it are not where 2.4 keeps them."""
     import torch
-    from torch._library.autograd import Info, make_autograd_impl
 
+    try:
+        from torch._library.autograd import Info, make_autograd_impl
+    except ImportError:  # laid out otherwise: register_autograd's kernel as it is
+        return False
     op = getattr(_ops(), name).default
     with_grad = make_autograd_impl(op, Info(backward, setup))
     after_autograd = torch._C._after_autograd_keyset
@@ -222,6 +225,7 @@ def _register_skipping_without_grad(lib: Any, name: str, backward: Callable[...,
             return op.redispatch(keyset & after_autograd, *args, **keyword_only)
 
     lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+    return True
 
 
 @PATCH.on_import("torch.distributed._functional_collectives")
@@ -246,9 +250,10 @@ def register_backward_formulas(patcher: Patcher, funcol: ModuleType) -> bool:
             lib.impl(name, _wait_autograd, "Autograd")
         else:
             backward, setup = _FORMULAS[name]
-            if hasattr(torch._C, "_any_requires_grad"):  # its kernel skips the Function without grad
+            # torch 2.4's register_autograd runs the autograd.Function on every call; 2.5+ skips it
+            # without grad (torch._C._any_requires_grad).
+            if hasattr(torch._C, "_any_requires_grad") or not _register_skipping_without_grad(
+                    lib, name, backward, _settled(setup)):
                 register(f"{_NS}::{name}", backward, setup_context=_settled(setup), lib=lib)
-            else:  # torch 2.4: its kernel runs the autograd.Function on every call
-                _register_skipping_without_grad(lib, name, backward, _settled(setup))
     patcher.wrap(funcol, "_maybe_wrap_tensor", _connected_wrap)
     return True
