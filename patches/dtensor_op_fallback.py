@@ -32,7 +32,6 @@ Pitfalls:      the fallback is correct but not fast: every sharded input is gath
 Upstream:      https://github.com/pytorch/pytorch/pull/131108 (register_sharding, torch 2.5)
 """
 
-import dataclasses
 import functools
 import sys
 import threading
@@ -259,9 +258,8 @@ def _local_results(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, 
         results, new = _resharded_result(results, specs) or (results, specs)
     if new != specs:
         op = _resharded[id(specs)][1]
-        for spec in (new if isinstance(new, tuple) else (new,)):
+        for spec in ((new, *new) if isinstance(new, tuple) else (new,)):  # a tuple: for the refusal
             _resharded[id(spec)] = (spec, op, getattr(spec, "placements", None))
-        _resharded[id(new)] = (new, op, getattr(new, "placements", None))
         sharding.output_spec = new
     return results
 
