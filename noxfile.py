@@ -107,7 +107,7 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra
     wheel = _build_wheel(session)
     session.install("--force-reinstall", "--no-deps", wheel)
     session.install(f"torchpatch[test] @ file://{wheel}")
-    env = {"TORCHPATCH_EXPECT_TORCH": torch, **(env or {})}
+    env = {"TORCHPATCH_EXPECT_TORCH": torch, "TORCHPATCH_TEST_WHEEL": wheel, **(env or {})}
     releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
     if releases:
         env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from concurrent.futures import Future
-from typing import Any, Dict, Optional, Union
+from typing import Any, Dict, Union
 
 from torchpatch import Patch
 

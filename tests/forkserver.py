@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import IO, Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import IO, Any, List, Mapping, Optional, Sequence, Tuple
 
 BOOT = (Path(__file__).resolve().parent / "forkserver_boot.py").read_text()
 HEADER = struct.Struct("!Q")

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from conftest import HERE, REPO, TORCH, clean_env, run_json, run_py
+from conftest import HERE, REPO, TORCH, clean_env, run_json, run_py, torchpatch_command
 from torchpatch import _versions
 from torchpatch._check.target import pick_version
 
@@ -22,8 +22,9 @@ INVENTORY = REPO / "patches" / "_inventory"
 
 
 def check(*args, env=None, cwd=FIXTURES):
-    return subprocess.run([sys.executable, "-m", "torchpatch", "check", *map(str, args)], env=env or clean_env(),
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+    """``torchpatch check *args``, run in this process (its helper, which imports torch, is a process of its
+    own either way); the real command's own process: the tests of a terminal and of what it imports."""
+    return torchpatch_command("check", *args, env=env, cwd=cwd)
 
 
 def report(*args, env=None):
@@ -139,8 +140,7 @@ def test_patched_rows_are_the_catalogues_doing(version):
     module that declares none of its names."""
     off = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import", env=OFF)["rows"]}
     on = {r["name"]: r for r in report(TRAINER, "--torch", version, "--no-import")["rows"]}
-    catalogue = {r["id"]: r for r in json.loads(subprocess.run(
-        [sys.executable, "-m", "torchpatch", "list", "--json"], capture_output=True, text=True, env=clean_env()).stdout)}
+    catalogue = {r["id"]: r for r in json.loads(torchpatch_command("list", "--json").stdout)}
     for name, row in on.items():
         if row["kind"] != "patched":
             undecided = row["kind"] == "unknown" and (" serves it as " in row["note"]  # a served module's target

@@ -5,13 +5,11 @@ checked against inventoried torches with the real command; the inference and the
 are also taken apart on small sources."""
 
 import json
-import subprocess
-import sys
 import textwrap
 
 import pytest
 
-from conftest import HERE, clean_env
+from conftest import HERE, clean_env, torchpatch_command
 from torchpatch import Patch
 from torchpatch._check import check as run_check
 from torchpatch._check import choose_target
@@ -29,8 +27,7 @@ OFF = clean_env(TORCHPATCH_DISABLE="*")
 
 
 def report(*args, env=None):
-    proc = subprocess.run([sys.executable, "-m", "torchpatch", "check", *map(str, args), "--no-import", "--json"],
-                          env=env or clean_env(), capture_output=True, text=True, timeout=300, cwd=FIXTURES)
+    proc = torchpatch_command("check", *args, "--no-import", "--json", env=env, cwd=FIXTURES)
     assert proc.returncode in (0, 1), proc.stderr
     return json.loads(proc.stdout)
 

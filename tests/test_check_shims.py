@@ -5,12 +5,10 @@ check also builds the shim (a helper with torchpatch on) and looks. A name neith
 unresolved, or unknown where a shim declares nothing and cannot be built here."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import HERE, TORCH, clean_env, only_torch, run_json, run_py
+from conftest import HERE, TORCH, clean_env, only_torch, run_json, run_py, torchpatch_command
 from torchpatch import Patch
 from torchpatch._check import check as run_check
 from torchpatch._check import choose_target
@@ -23,8 +21,7 @@ LATER = (f"{SCHEDULES}.ScheduleZBVZeroBubble", f"{SCHEDULES}._PipelineScheduleRu
 
 
 def report(*args, env=None):
-    proc = subprocess.run([sys.executable, "-m", "torchpatch", "check", *map(str, args), "--json"],
-                          env=env or clean_env(), capture_output=True, text=True, timeout=300, cwd=FIXTURES)
+    proc = torchpatch_command("check", *args, "--json", env=env, cwd=FIXTURES)
     assert proc.returncode in (0, 1), proc.stderr
     return {r["name"]: r for r in json.loads(proc.stdout)["rows"]}
 

@@ -248,13 +248,11 @@ def test_run_activates_and_passes_arguments():
 
 
 @pytest.mark.torch_independent
-def test_run_works_for_a_target_install_and_chains_sitecustomize(tmp_path):
+def test_run_works_for_a_target_install_and_chains_sitecustomize(tmp_path, wheel):
     """``pip install --target`` onto a shared PYTHONPATH, used from a venv that lacks torchpatch:
     no .pth is processed there, so only ``torchpatch run``'s bootstrap can activate it."""
-    wheel_dir, target, other, fresh = (tmp_path / n for n in ("wheel", "target", "other", "venv"))
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target),
-                    *map(str, wheel_dir.glob("*.whl"))], check=True)
+    target, other, fresh = (tmp_path / n for n in ("target", "other", "venv"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--target", str(target), str(wheel)], check=True)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(fresh)], check=True)
     other.mkdir()
     (other / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_CHAINED = True\n")

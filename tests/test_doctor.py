@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, clean_env
+from conftest import clean_env
 
 pytestmark = [pytest.mark.torch_independent, pytest.mark.fresh_interpreter]  # what a fresh interpreter finds installed; a venv without torch: the matrix leaves these to the quick suite
 
@@ -25,16 +25,13 @@ OK, HAZARD, MISSING = 0, 1, 3
 
 
 @pytest.fixture(scope="module")
-def fresh(tmp_path_factory):
+def fresh(tmp_path_factory, wheel):
     """A fresh venv (no torch, no torchpatch), two --target copies of the wheel, and a directory that
     holds only torchpatch's dependencies (wrapt, packaging), taken from this test environment."""
     root = tmp_path_factory.mktemp("doctor")
-    wheel_dir = root / "wheel"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(wheel_dir), str(REPO)], check=True)
-    wheel = [str(w) for w in wheel_dir.glob("*.whl")]
     for name in ("target", "second"):
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(root / name), *wheel],
-                       check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(root / name),
+                        str(wheel)], check=True)
     deps = root / "deps"
     deps.mkdir()
     for name in ("wrapt", "packaging"):

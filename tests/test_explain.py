@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import torchpatch
-from conftest import TORCH, clean_env
+from conftest import TORCH, clean_env, torchpatch_command
 from torchpatch import _versions
 
 PARTIAL = "ImportError: cannot import name 'Partial' from 'torch.distributed._tensor'"
@@ -20,9 +20,10 @@ DOTTED = "torch.distributed.tensor.Partial"
 INSTALLED = ".".join(map(str, _versions.release(TORCH)))
 
 
-def explain(*args, env=None, stdin=None, python=(sys.executable,), cwd=None):
-    return subprocess.run([*python, "-m", "torchpatch", "explain", *args], env=env or clean_env(), input=stdin,
-                          capture_output=True, text=True, timeout=300, cwd=cwd)
+def explain(*args, env=None, stdin=None):
+    """``torchpatch explain *args``, run in this process (what it answers; the real command's own process:
+    the tests of bytes on its standard input and of an interpreter without torch)."""
+    return torchpatch_command("explain", *args, env=env, stdin=stdin.encode() if stdin else None)
 
 
 def answer(*args, env=None, code=None):
@@ -185,8 +186,8 @@ def test_without_torch_the_newest_inventoried_one_answers(tmp_path):
     package = Path(torchpatch.__file__).resolve().parent
     shutil.copytree(package, tmp_path / "torchpatch")
     shutil.copy(package.parent / "_torchpatch_startup.py", tmp_path)
-    proc = explain(DOTTED, "--json", python=(sys.executable, "-S"), env=clean_env(PYTHONPATH=str(tmp_path)),
-                   cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-S", "-m", "torchpatch", "explain", DOTTED, "--json"], capture_output=True,
+                          text=True, env=clean_env(PYTHONPATH=str(tmp_path)), cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     found = json.loads(proc.stdout)
     newest = found["native_in"][-1]

@@ -3,7 +3,6 @@ catalogue and the tests, and ``torchpatch doctor`` says of each bug of the insta
 process's configuration fixes it."""
 
 import ast
-import json
 
 from conftest import REPO, clean_env, run_json
 from torchpatch import _versions

@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 
-from conftest import REPO, TORCH, clean_env, run_json, torch_matches
+from conftest import REPO, TORCH, clean_env, run_json, torch_matches, torchpatch_command
 from torchpatch._registry import builtin_patches
 
 TABLE = json.loads((REPO / "patches" / "relocations.json").read_text())
@@ -74,6 +74,5 @@ def test_entries_for_this_torch_resolve_to_the_same_qualified_names():
 
 
 def test_relocation_patch_is_inactive_before_2_1():
-    rows = {r["id"]: r for r in json.loads(subprocess.run(
-        [sys.executable, "-m", "torchpatch", "list", "--json"], capture_output=True, text=True, env=clean_env()).stdout)}
+    rows = {r["id"]: r for r in json.loads(torchpatch_command("list", "--json").stdout)}
     assert rows["relocations"]["applies"] is torch_matches(">=2.1")
