@@ -144,7 +144,7 @@ def helper(q):
 
 if __name__ == "__main__":
     children = os.environ["CHILDREN"] == "1"  # DataLoader workers and a helper, or the ranks alone
-    loader = DataLoader(list(range(8)), batch_size=2, num_workers=2 if children else 0,
+    loader = DataLoader(list(range(8)), batch_size=2, num_workers=1 if children else 0,
                         multiprocessing_context="spawn" if children else None)
     total = sum(int(b.sum()) for b in loader)
     got = 2.0
@@ -162,8 +162,8 @@ if __name__ == "__main__":
 
 
 def test_one_summary_line_per_job(tmp_path):
-    """torchrun (its agent imports torch too), 2 ranks, each with a spawn DataLoader of 2 workers
-    and a spawned helper process: 9 processes activate torchpatch, rank 0 alone prints the line.
+    """torchrun (its agent imports torch too), 2 ranks, each with a spawn DataLoader worker and a
+    spawned helper process: 7 processes activate torchpatch, rank 0 alone prints the line.
     At debug level (the agent and the ranks alone) the other lines carry the rank."""
     for level, ranks_tagged in (("info", False), ("debug", True)):
         proc = run_ranks(SUMMARY_JOB, tmp_path=tmp_path, launcher="torchrun",
