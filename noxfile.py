@@ -71,7 +71,8 @@ LAUNCHERS = ["ray[train]==2.60.0", "accelerate==1.15.0", "deepspeed==0.19.8"]
 
 # Two pytest-xdist workers, a test file each at a time (its module fixtures computed once): most tests
 # wait on the subprocesses they start (ranks, fresh interpreters), which one worker leaves a core idle for.
-XDIST = ("-n", "2", "--dist", "loadfile")
+# Files are handed out in collection order, the longest first (tests/conftest.py's COLLECTED_FIRST).
+XDIST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
 # The slowest tests of each session, in its log: where CI time goes.
 DURATIONS = ("--durations", "15")
 
