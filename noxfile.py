@@ -123,9 +123,13 @@ def _install_torchtitan(session: nox.Session, releases: list[str]) -> str:
 def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra: tuple[str, ...] = (),
                tests: tuple[str, ...] = ("tests",), env: dict[str, str] | None = None) -> None:
     pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
-    find_links = _pip_find_links() if session.venv_backend == "uv" and "UV_FIND_LINKS" not in os.environ else None
-    if find_links:
-        session.env["UV_FIND_LINKS"] = find_links
+    if session.venv_backend == "uv":
+        # pip compiles the bytecode when it installs, uv only when asked: where PYTHONDONTWRITEBYTECODE is
+        # set (this machine's environment), every interpreter would otherwise compile torch from source
+        session.env["UV_COMPILE_BYTECODE"] = "1"
+        find_links = None if "UV_FIND_LINKS" in os.environ else _pip_find_links()
+        if find_links:
+            session.env["UV_FIND_LINKS"] = find_links
     # pip: the wheel is built with it, and tests install it elsewhere with it (a venv uv made has none)
     session.install(f"torch=={torch}", *MATRIX[torch], *extra, "pip", env=pip_env)
     wheel = _build_wheel(session)
