@@ -26,6 +26,7 @@ newer than ``CONSTRAINED_ABOVE`` is installed with pip's config files off for th
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import subprocess
@@ -89,6 +90,7 @@ DURATIONS = ("--durations", "15")
 _wheel: list[str] = []
 
 
+@functools.lru_cache(maxsize=None)
 def _pip_find_links() -> Optional[str]:
     """The find-links pip is given on this machine (its environment, else its config files)."""
     if os.environ.get("PIP_FIND_LINKS"):
