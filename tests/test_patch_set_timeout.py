@@ -21,20 +21,23 @@ try:
     out["served_as"] = dist.set_timeout.__module__ + "." + dist.set_timeout.__name__
 except AttributeError as exc:
     out["error"] = f"AttributeError: {exc}"
-if "error" not in out:
-    if rank == 0:  # rank 1 never joins these: each must give up after the group's timeout
-        for name, group in (("default", None), ("subgroup", sub)):
-            start = time.monotonic()
-            try:
-                dist.all_reduce(torch.ones(1), group=group)
-                out[name] = "completed"
-            except RuntimeError as exc:
-                out[name] = {"seconds": time.monotonic() - start, "error": str(exc)[:200]}
-        store.set("done", "1")
-        store.wait(["seen"], datetime.timedelta(seconds=120))  # rank 0 holds the store: stay till rank 1 is done with it
-    else:
-        store.wait(["done"], datetime.timedelta(seconds=120))
-        store.set("seen", "1")
+if "error" not in out and rank == 0:  # rank 1 never joins these: each must give up after the group's timeout
+    for name, group in (("default", None), ("subgroup", sub)):
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=group)
+            out[name] = "completed"
+        except RuntimeError as exc:
+            out[name] = {"seconds": time.monotonic() - start, "error": str(exc)[:200]}
+# Leave together, on every path (the groups may have timed out: the store, not a barrier). Rank 0 holds
+# the store: it stays till rank 1 is done with it, the subgroup's setup included (where set_timeout is
+# missing, rank 0 used to leave at once, and rank 1's new_group could lose the store: "Connection reset").
+if rank == 0:
+    store.set("done", "1")
+    store.wait(["seen"], datetime.timedelta(seconds=120))
+else:
+    store.wait(["done"], datetime.timedelta(seconds=120))
+    store.set("seen", "1")
 try:
     import torchpatch
     out["status"] = torchpatch.status().get("set-timeout")
