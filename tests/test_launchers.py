@@ -240,10 +240,12 @@ def test_ray_train_every_worker_patched_through_runtime_env(tmp_path):
     proc = run(ray_env(), ray_cmd(script, tmp_path, env_vars))
     assert_every_worker_patched(proc, tmp_path)
     # Ray Train ends its workers with ray.kill, which skips Python's exit handlers: no summary line,
-    # and each worker's report is the one it wrote when its patches settled ("complete": false). Ray
-    # sets RANK only when it sets up the process group, after that: the report's rank is none.
+    # and the worker's report is the one it wrote when its patches settled ("complete": false). Ray
+    # sets RANK only when it sets up the process group, after that: the report's rank is none. A worker
+    # can still reach its own exit first (one of two, once in a CI run): then its report is the one
+    # written at exit, with the rank it had by then.
     by_pid = {r["pid"]: r for r in reports(tmp_path / "reports")}
     for worker in workers(tmp_path):
         report = by_pid[worker["pid"]]
         assert report["patches"]["processgroup-deepcopy"] == {"status": "applied"}
-        assert (report["complete"], report["rank"]) == (False, None)
+        assert (report["complete"], report["rank"]) in ((False, None), (True, worker["rank"])), report
