@@ -5,7 +5,8 @@ What breaks:   a model that calls ``torch.distributed._functional_collectives.al
                group)`` (or reduce_scatter_tensor, all_to_all_single) on a tensor that requires grad
                trains on wrong gradients: the ``_c10d_functional`` ops have no autograd formula, so
                autograd's fallback passes the output gradient through unchanged (all_reduce: each
-               rank gets its own gradient instead of the sum over ranks; reduce_scatter: zeros for
+               rank gets its own gradient instead of the sum over ranks, with "max" or "min" instead
+               of that sum on the ranks holding the extremum only; reduce_scatter: zeros for
                the chunks the rank did not keep) or drops it (all_to_all_single: ``x.grad`` stays
                None), with at most a UserWarning. Using the returned AsyncCollectiveTensor without
                ``.wait()`` cuts the graph as well: the wrapper is a leaf, so nothing reaches ``x``.
@@ -13,12 +14,27 @@ Torch:         2.4 (where ``torch.library.register_autograd`` arrived) to 2.12: 
                for ``_c10d_functional::all_reduce`` and the others (asked of the dispatcher on
                2.4.1 and 2.9.0, reproduced there on gloo); torch 2.13 registers them (2.13.0,
                2.14.1, 2.15.0: the patch stays off). 2.2-2.3 have the same gap but no
-               ``register_autograd`` (not patched).
-Fix:           where the dispatcher has no Autograd kernel for them, register the backward formulas
-               of torch 2.13 (written here): all_reduce("sum") backward is an all_reduce("sum") of
-               the gradient (other reductions raise in backward, as in 2.13),
-               all_gather_into_tensor's a reduce_scatter("sum"), reduce_scatter("sum")'s an
-               all_gather, all_to_all_single's an all_to_all with the split sizes swapped;
+               ``register_autograd`` (not patched). The formulas grew after 2.13: 2.13.0
+               differentiates all_reduce only with "sum", 2.14.1 also with "avg", 2.15.0 with
+               "sum", "avg", "premul_sum", "max" and "min" (the coalesced all_reduce with 2.13's
+               and 2.14's only "sum", with 2.15's all five); reduce_scatter_tensor and its coalesced
+               form only with "sum" in all three. Not patched: 2.13 and 2.14 refusing what 2.15
+               differentiates (overriding torch's own registered kernel warns "Overriding a
+               previously registered kernel" and its undo drops torch's entry from
+               ``torch.library._impls``).
+Fix:           where the dispatcher has no Autograd kernel for them, register torch 2.15.0's
+               backward formulas (written here): all_reduce's and all_reduce_coalesced's with
+               "sum", "avg" and "premul_sum" reduce the gradients with the same op; with "max" and
+               "min" they sum them and split each element's sum evenly among the ranks whose input
+               held the extremum (input equal to the output, or both NaN), the holders counted by
+               an all_reduce("sum") of the masks in float32, the division done in the promoted
+               dtype and cast back to the gradient's, zero elsewhere; any other reduction raises
+               2.15's RuntimeError in its words (``all_reduce backward only supports `sum`,
+               `premul_sum`, `avg`, `max`, `min` reductions, got 'product'``). (premul_sum cannot
+               reach a backward on 2.4-2.12: the ops take the reduction as a string and refuse
+               "premul_sum" in forward.) all_gather_into_tensor's is a reduce_scatter("sum"),
+               reduce_scatter("sum")'s an all_gather (other reductions raise, as in 2.15),
+               all_to_all_single's an all_to_all with the split sizes swapped;
                wait_tensor waits below autograd and returns its input, as the op does; and the AsyncCollectiveTensor of an output that requires
                grad is made with torch's own ``_FromTorchTensor`` (identity backward), as torch's
                ``*_autograd`` variants and 2.13's ``_wrap_tensor_autograd`` do. Kernels are
@@ -26,19 +42,25 @@ Fix:           where the dispatcher has no Autograd kernel for them, register th
                autograd.Function only when grad is enabled and an input requires it (torch 2.4's
                ``register_autograd`` ran it on every call: the patch registers the kernel itself there). The coalesced ops
                (``all_reduce_coalesced``, ``all_gather_into_tensor_coalesced``,
-               ``reduce_scatter_tensor_coalesced``) get 2.13's formulas too: each gradient goes
+               ``reduce_scatter_tensor_coalesced``) get 2.15's formulas too: each gradient goes
                through the coalesced op of the backward. A CPU collective whose input requires
-               grad is waited for before its output joins the graph: gloo's worker thread copies
+               grad is waited for before its output joins the graph, or is saved for a max's or a
+               min's backward: gloo's worker thread copies
                the result into the output (torch 2.4's all_gather into views of it), and that copy
                must not land on a tensor autograd already tracks. Natively torch 2.4 refuses it on
                whichever rank's copy came late ("A view was created in no_grad mode ..."), so one
                rank ran the backward's collective alone and gloo aborted; and its coalesced
                all_reduce of tensors that require grad crashes a rank with SIGSEGV inside the op
                now and then (2.4.1, 2 gloo ranks: at the 83rd and the 242nd of 6000 calls; with
-               the patch, 6000 calls without one).
-Upstream:      https://github.com/pytorch/pytorch/pull/168140 (fixes
+               the patch, 6000 calls without one). (torch 2.15.0's own coalesced all_reduce("max")
+               on gloo saves the outputs before that copy: its backward raises "one of the
+               variables needed for gradient computation has been modified by an inplace
+               operation" on some ranks and not others.)
+Upstream:      https://github.com/pytorch/pytorch/pull/168140 (the formulas of torch 2.13; fixes
                https://github.com/pytorch/pytorch/issues/152131; the silent-gradient report:
-               https://github.com/pytorch/pytorch/issues/152127)
+               https://github.com/pytorch/pytorch/issues/152127); all_reduce("avg"), torch 2.14:
+               https://github.com/pytorch/pytorch/pull/190224; premul_sum, max and min, torch 2.15:
+               https://github.com/pytorch/pytorch/pull/190942
 """
 
 from types import ModuleType
@@ -48,8 +70,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="funcol-autograd",
-    summary="functional collectives differentiable (all_reduce sum, all_gather, reduce_scatter sum, "
-            "all_to_all_single, their coalesced forms) as in torch 2.13, torch 2.4-2.12",
+    summary="functional collectives differentiable (all_reduce sum/avg/max/min, all_gather, reduce_scatter sum, "
+            "all_to_all_single, their coalesced forms) as in torch 2.15, torch 2.4-2.12",
     torch=">=2.4,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/168140",
     behaviour="gradients of _c10d_functional collectives",
@@ -69,20 +91,55 @@ def _waited(tensor: Any) -> Any:
     return _ops().wait_tensor(tensor)
 
 
-# -- backward formulas (torch 2.13's semantics) -------------------------------------------------
+# -- backward formulas (torch 2.15's semantics) -------------------------------------------------
+# The reductions whose all_reduce (and all_reduce_coalesced) torch 2.15 differentiates: sum, avg and
+# premul_sum reduce the gradients with the same op; max and min sum them and split each sum evenly
+# among the ranks holding the extremum. (premul_sum is listed for the error's words only: the
+# 2.4-2.12 ops refuse it in forward, "Unrecognized reduce_op: premul_sum".)
+_DIFFERENTIABLE = ("sum", "avg", "premul_sum", "max", "min")
+_EXTREMA = ("max", "min")
+_REFUSED = "{} backward only supports `sum`, `premul_sum`, `avg`, `max`, `min` reductions, got '{}'"
+
+
 def _all_reduce_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-    _, ctx.reduce_op, ctx.group_name = inputs
+    """all_reduce's and all_reduce_coalesced's: max and min keep the inputs and the outputs."""
+    tensors, reduce_op, ctx.group_name = inputs
+    ctx.reduce_op = reduce_op.lower()
+    if ctx.reduce_op in _EXTREMA:
+        if isinstance(output, (list, tuple)):
+            ctx.save_for_backward(*tensors, *output)
+        else:
+            ctx.save_for_backward(tensors, output)
 
 
 def _only_sum(op: str, ctx: Any) -> None:
-    """Refuse a backward through a reduction other than "sum", in torch 2.13's words."""
-    if ctx.reduce_op.lower() != "sum":
+    """Refuse a backward through a reduction other than "sum", in torch 2.15's words (reduce_scatter)."""
+    if ctx.reduce_op != "sum":
         raise RuntimeError(f"{op} backward only supports 'sum' reduction, got '{ctx.reduce_op}'")
 
 
+def _split_among_holders(grads: List[Any], ctx: Any, coalesced: bool) -> List[Any]:
+    """The summed gradients of a max or min, each element's split evenly among the ranks whose input
+    held the extremum there (a NaN input holds a NaN output): the holders are counted with an
+    all_reduce("sum") (coalesced for the coalesced op) of the masks in float32, so that a count stays exact in any gradient dtype; the
+    division is done in the promoted dtype and cast back; elsewhere the gradient is zero."""
+    saved = ctx.saved_tensors
+    inputs, outputs = saved[:len(grads)], [_waited(t) for t in saved[len(grads):]]
+    masks = [(x == y) | (x.isnan() & y.isnan()) for x, y in zip(inputs, outputs)]
+    counts = [m.float() for m in masks]
+    if not coalesced:
+        counts = [_waited(_ops().all_reduce(counts[0], "sum", ctx.group_name))]
+    else:
+        counts = [_waited(t) for t in _ops().all_reduce_coalesced(counts, "sum", ctx.group_name)]
+    return [(g / n).to(g.dtype).masked_fill(~m, 0) for g, m, n in zip(grads, masks, counts)]
+
+
 def _all_reduce_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
-    _only_sum("all_reduce", ctx)
-    return _waited(_ops().all_reduce(grad.contiguous(), "sum", ctx.group_name)), None, None
+    if ctx.reduce_op not in _DIFFERENTIABLE:
+        raise RuntimeError(_REFUSED.format("all_reduce", ctx.reduce_op))
+    extremum = ctx.reduce_op in _EXTREMA
+    summed = _waited(_ops().all_reduce(grad.contiguous(), "sum" if extremum else ctx.reduce_op, ctx.group_name))
+    return (_split_among_holders([summed], ctx, False)[0] if extremum else summed), None, None
 
 
 def _all_gather_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -95,7 +152,8 @@ def _all_gather_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None]:
 
 
 def _reduce_scatter_setup(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-    _, ctx.reduce_op, ctx.group_size, ctx.group_name = inputs
+    _, reduce_op, ctx.group_size, ctx.group_name = inputs
+    ctx.reduce_op = reduce_op.lower()
 
 
 def _reduce_scatter_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
@@ -115,9 +173,13 @@ def _all_to_all_backward(ctx: Any, grad: Any) -> Tuple[Any, None, None, None]:
 
 
 def _all_reduce_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None]:
-    _only_sum("all_reduce_coalesced", ctx)
-    summed = _ops().all_reduce_coalesced([g.contiguous() for g in grads], "sum", ctx.group_name)
-    return [_waited(t) for t in summed], None, None
+    if ctx.reduce_op not in _DIFFERENTIABLE:
+        raise RuntimeError(_REFUSED.format("all_reduce_coalesced", ctx.reduce_op))
+    extremum = ctx.reduce_op in _EXTREMA
+    summed = _ops().all_reduce_coalesced([g.contiguous() for g in grads], "sum" if extremum else ctx.reduce_op,
+                                         ctx.group_name)
+    summed = [_waited(t) for t in summed]
+    return (_split_among_holders(summed, ctx, True) if extremum else summed), None, None
 
 
 def _all_gather_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List[Any], None, None]:
@@ -133,20 +195,21 @@ def _reduce_scatter_coalesced_backward(ctx: Any, grads: List[Any]) -> Tuple[List
 
 
 def _settled(setup: Callable[[Any, Tuple[Any, ...], Any], None]) -> Callable[[Any, Tuple[Any, ...], Any], None]:
-    """``setup``, then, for a CPU collective whose input requires grad, a wait for its result.
+    """For a CPU collective whose input requires grad, a wait for its result; then ``setup``.
 
     It runs inside the op's autograd Function, after the collective started and before the output
     is attached to the graph: gloo's worker thread then finishes writing the output while autograd
     does not track it yet (later, torch 2.4 refuses the copy into views of the gathered output, or
-    an in-place copy would move the output's grad_fn). Without grad, or on CUDA, nothing waits.
+    an in-place copy would move the output's grad_fn), and before ``setup`` saves it (max, min).
+    Without grad, or on CUDA, nothing waits.
     """
 
     def setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
-        setup(ctx, inputs, output)
         outputs = output if isinstance(output, (list, tuple)) else [output]
         if any(ctx.needs_input_grad) and all(t.device.type == "cpu" for t in outputs):
             for tensor in outputs:
                 _waited(tensor)  # below autograd here: the op's own kernel
+        setup(ctx, inputs, output)
 
     return setup_context
 

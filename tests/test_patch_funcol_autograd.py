@@ -6,9 +6,21 @@ every rank's data and weights, so the right gradient of each rank's input is com
 2.4-2.12 without the patch (TORCHPATCH unset, or the patch switched off) all_reduce("sum") hands
 each rank its own weights back, reduce_scatter zeros for the chunks it did not keep, and
 all_to_all_single with uneven splits and an all_reduce used without ``.wait()`` leave ``x.grad``
-None; with TORCHPATCH=1 all are right, forward values unchanged, and a backward through
-all_reduce("max") raises as in torch 2.13. On 2.13, 2.14 and 2.15 torch is right by itself and
-the patch is not applied. all_gather_tensor (gather_dim 0 and 1) and the coalesced all_reduce are
+None; with TORCHPATCH=1 all are right, forward values unchanged.
+
+all_reduce and all_reduce_coalesced with "avg", "max" and "min" get torch 2.15's gradients: each
+rank's is compared with autograd's on every rank's input stacked in one process (mean, amax, amin;
+amax and amin split a gradient evenly among tied elements, as 2.15 splits it among the ranks that
+hold the extremum: the inputs tie at every other element, checked on their own, in float64 and
+bfloat16); "product", and reduce_scatter_tensor with "max", raise 2.15's error in its words. The
+same script runs on torch 2.13-2.15, where the patch is not applied: 2.15.0 gives the same values
+(the oracle), 2.13 refuses "avg", "max" and "min", 2.14 all but all_reduce("avg"). Not run on
+2.15.0: its own all_reduce_coalesced("max"/"min") backward on gloo, which raises "one of the
+variables needed for gradient computation has been modified by an inplace operation" (the op's
+kernel copies the result into the outputs after the formula saved them) on a rank, or not:
+then the ranks' collectives mismatch and gloo aborts. The patch waits for a CPU result first.
+
+all_gather_tensor (gather_dim 0 and 1) and the coalesced all_reduce are
 checked only where fixed: unfixed, all_gather raises (loudly) on some ranks (torch 2.4's gloo
 all_gather of a tensor that requires grad, on whichever rank's result arrived after autograd took the
 output; the patch waits first, on CPU), and all_reduce_coalesced of tensors that require grad crashes
@@ -94,13 +106,63 @@ if fixed:  # unfixed, the coalesced all_reduce crashes a rank now and then and a
         g = grad_of(x, (w[rank] * y).sum())
         out[f"all_gather_dim{dim}"] = ok and g is not None and torch.equal(g, sum(w).chunk(world, dim)[rank])
 
-# a reduction without a gradient formula (in torch 2.13)
-x = rand(rank, 5).requires_grad_()
-try:
-    waited(funcol.all_reduce(x, "max", G)).sum().backward()
-    out["max_backward"] = "no error; grad " + ("None" if x.grad is None else "set")
-except RuntimeError as exc:
-    out["max_backward"] = str(exc)
+# all_reduce("avg"/"max"/"min"), which torch 2.15 differentiates: each rank's gradient against autograd's
+# on every rank's input stacked in one process (mean, amax, amin: amax and amin split a gradient evenly
+# among tied elements, as torch 2.15 splits it among the ranks holding the extremum)
+def attempt(fn):  # fn's value, or the RuntimeError's words
+    try:
+        return fn()
+    except RuntimeError as exc:
+        return str(exc)
+
+REDUCE = {"avg": lambda full: full.mean(0), "max": lambda full: full.amax(0), "min": lambda full: full.amin(0)}
+def tied(k, salt, *shape, dtype=F64):  # rank k's input; every rank's is the same at its even elements
+    t = rand(700 + 10 * salt + k, *shape)
+    t.view(-1)[::2] = rand(790 + salt, *shape).view(-1)[::2]
+    return t.round() if dtype != F64 else t  # bfloat16: integers, which it holds exactly
+def weights(k, salt, *shape, dtype=F64):
+    w = rand(800 + 10 * salt + k, *shape)
+    return (w.round() if dtype != F64 else w).to(dtype)
+def reference(op, salt, *shape, dtype=F64):  # every rank's gradient of the summed losses, in one process
+    full = torch.stack([tied(k, salt, *shape, dtype=dtype).to(dtype) for k in range(world)]).requires_grad_()
+    y = REDUCE[op](full)
+    sum((weights(k, salt, *shape, dtype=dtype) * y).sum() for k in range(world)).backward()
+    return full.grad
+def all_reduce_grad(op, salt, dtype=F64):
+    x = tied(rank, salt, 6, dtype=dtype).to(dtype).requires_grad_()
+    y = waited(funcol.all_reduce(x, op, G))
+    (weights(rank, salt, 6, dtype=dtype) * y).sum().backward()
+    if op != "avg":  # the even elements tie on every rank: each gets its share of the summed weights
+        out[f"all_reduce_{op}_ties" + ("" if dtype == F64 else "_bfloat16")] = torch.equal(
+            x.grad[::2], (sum(weights(k, salt, 6, dtype=dtype) for k in range(world)) / world)[::2])
+    return x.grad is not None and x.grad.dtype == dtype and torch.equal(x.grad, reference(op, salt, 6, dtype=dtype)[rank])
+for op in ("avg", "max", "min"):
+    out[f"all_reduce_{op}"] = attempt(lambda: all_reduce_grad(op, 0))
+out["all_reduce_max_bfloat16"] = attempt(lambda: all_reduce_grad("max", 3, torch.bfloat16))
+if fixed:  # the coalesced form (two tensors, each with its own weights). Not "max"/"min" on torch 2.15.0
+    # itself: on gloo its formula refuses them or not, rank by rank (the test's docstring)
+    for op in ("avg",) if version >= (2, 15) else ("avg", "max", "min"):
+        def coalesced_grad():
+            xs = [tied(rank, 1, 6).requires_grad_(), tied(rank, 2, 2, 3).requires_grad_()]
+            ys = [waited(t) for t in funcol.all_reduce_coalesced(xs, op, G)]
+            sum((weights(rank, salt, *y.shape) * y).sum() for salt, y in zip((1, 2), ys)).backward()
+            return all(torch.equal(x.grad, reference(op, salt, *x.shape)[rank]) for salt, x in zip((1, 2), xs))
+        out[f"all_reduce_coalesced_{op}"] = attempt(coalesced_grad)
+
+# reductions torch 2.15 does not differentiate: its error, in its words
+ops = torch.ops._c10d_functional
+def backward_of(fn):
+    x = tied(rank, 0, 2 * world).requires_grad_()
+    outputs = fn(x)
+    sum(waited(y).sum() for y in (outputs if isinstance(outputs, list) else [outputs])).backward()
+    return "no error"
+out["all_reduce_product"] = attempt(lambda: backward_of(lambda x: funcol.all_reduce(x, "product", G)))
+# (the op itself: on torch 2.2-2.7 gloo-reduce-scatter-op does funcol's reduce_scatter_tensor("max") as an all_reduce)
+out["reduce_scatter_max"] = attempt(
+    lambda: backward_of(lambda x: ops.wait_tensor(ops.reduce_scatter_tensor(x, "max", world, G.group_name))))
+if fixed:
+    out["all_reduce_coalesced_product"] = attempt(
+        lambda: backward_of(lambda x: funcol.all_reduce_coalesced([x], "product", G)))
 
 # without grad: torch's own AsyncCollectiveTensor, as before
 with torch.no_grad():
@@ -116,6 +178,36 @@ RIGHT = {"all_reduce_value": True, "all_reduce": True, "all_reduce_no_wait": Tru
          "reduce_scatter": True, "all_to_all_value": True, "all_to_all": True, "all_reduce_coalesced": True,
          "all_gather_dim0": True, "all_gather_dim1": True}
 
+NEWEST = "{} backward only supports `sum`, `premul_sum`, `avg`, `max`, `min` reductions, got '{}'"  # torch 2.15's words
+ONLY_SUM = "{} backward only supports 'sum' reduction, got '{}'"  # torch 2.13's (2.15's for reduce_scatter)
+SUM_AND_AVG = "{} backward only supports 'sum' and 'avg' reductions, got '{}'"  # torch 2.14's all_reduce
+
+
+def reductions() -> dict:
+    """The reductions' gradients (True: equal to the one-process reference) or errors: torch 2.15's,
+    which the patch gives on 2.4-2.12; 2.13 and 2.14 refuse what 2.15 differentiates."""
+    want = {f"all_reduce_{op}": True for op in ("avg", "max", "min", "max_ties", "min_ties", "max_bfloat16",
+                                                "max_ties_bfloat16")}
+    want.update({f"all_reduce_coalesced_{op}": True for op in ("avg", "max", "min")})
+    want.update(all_reduce_product=NEWEST.format("all_reduce", "product"),
+                all_reduce_coalesced_product=NEWEST.format("all_reduce_coalesced", "product"),
+                reduce_scatter_max=ONLY_SUM.format("reduce_scatter_tensor", "max"))
+    if torch_matches("<2.7"):  # gloo has no AVG (gloo-avg serves funcol.all_reduce's, not the coalesced op's)
+        want["all_reduce_coalesced_avg"] = "Cannot use ReduceOp.AVG with Gloo"
+    if torch_matches(">=2.13,<2.15"):
+        refused = SUM_AND_AVG if torch_matches(">=2.14") else ONLY_SUM
+        for op in ("avg", "max", "min", "product"):
+            want[f"all_reduce_coalesced_{op}"] = ONLY_SUM.format("all_reduce_coalesced", op)
+            want[f"all_reduce_{op}"] = refused.format("all_reduce", op)
+        want["all_reduce_max_bfloat16"] = refused.format("all_reduce", "max")
+        for key in ("all_reduce_max_ties", "all_reduce_min_ties", "all_reduce_max_ties_bfloat16"):
+            del want[key]
+        if torch_matches(">=2.14"):  # 2.14 differentiates all_reduce("avg")
+            want["all_reduce_avg"] = True
+    if torch_matches(">=2.15"):  # not run (the script)
+        del want["all_reduce_coalesced_max"], want["all_reduce_coalesced_min"]
+    return want
+
 
 @only_torch(">=2.4,<2.13", "no autograd formulas for _c10d_functional ops")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FUNCOL_AUTOGRAD": "0"}], ids=["unset", "opted-out"])
@@ -124,8 +216,12 @@ def test_native_gradients_are_wrong(env, tmp_path):
         assert out["status"] is None
         # the forward values are right; every gradient is wrong or missing
         assert [out[k] for k in ("all_reduce_value", "reduce_scatter_value", "all_to_all_value")] == [True] * 3, out
-        wrong = ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all")
+        wrong = ("all_reduce", "all_reduce_no_wait", "reduce_scatter", "all_to_all", "all_reduce_max", "all_reduce_min",
+                 "all_reduce_max_ties", "all_reduce_min_ties", "all_reduce_max_bfloat16")
         assert [out[k] for k in wrong] == [False] * len(wrong), out
+        # avg: each rank's own gradient, or (2.4-2.6 without gloo-avg) gloo refuses the forward
+        assert out["all_reduce_avg"] in ((False, "Cannot use ReduceOp.AVG with Gloo") if not env and torch_matches("<2.7")
+                                         else (False,)), out
 
 
 @only_torch(">=2.4", "torch.library.register_autograd arrived in 2.4")
@@ -133,7 +229,5 @@ def test_gradients(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
         assert out.pop("no_grad_type") == "AsyncCollectiveTensor"
-        max_backward = out.pop("max_backward")
-        if torch_matches("<2.14"):  # torch 2.14 differentiates "avg", 2.15 "max" too
-            assert max_backward == "all_reduce backward only supports 'sum' reduction, got 'max'"
+        assert {k: out.pop(k) for k in list(out) if k not in RIGHT} == reductions()
         assert out == RIGHT, out
