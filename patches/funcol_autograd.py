@@ -121,8 +121,9 @@ def _only_sum(op: str, ctx: Any) -> None:
 def _split_among_holders(grads: List[Any], ctx: Any, coalesced: bool) -> List[Any]:
     """The summed gradients of a max or min, each element's split evenly among the ranks whose input
     held the extremum there (a NaN input holds a NaN output): the holders are counted with an
-    all_reduce("sum") (coalesced for the coalesced op) of the masks in float32, so that a count stays exact in any gradient dtype; the
-    division is done in the promoted dtype and cast back; elsewhere the gradient is zero."""
+    all_reduce("sum") (coalesced for the coalesced op) of the masks in float32, so that a count stays
+    exact in any gradient dtype; the division is done in the promoted dtype and cast back; elsewhere
+    the gradient is zero."""
     saved = ctx.saved_tensors
     inputs, outputs = saved[:len(grads)], [_waited(t) for t in saved[len(grads):]]
     masks = [(x == y) | (x.isnan() & y.isnan()) for x, y in zip(inputs, outputs)]

@@ -135,7 +135,8 @@ def all_reduce_grad(op, salt, dtype=F64):
     if op != "avg":  # the even elements tie on every rank: each gets its share of the summed weights
         out[f"all_reduce_{op}_ties" + ("" if dtype == F64 else "_bfloat16")] = torch.equal(
             x.grad[::2], (sum(weights(k, salt, 6, dtype=dtype) for k in range(world)) / world)[::2])
-    return x.grad is not None and x.grad.dtype == dtype and torch.equal(x.grad, reference(op, salt, 6, dtype=dtype)[rank])
+    g = x.grad
+    return g is not None and g.dtype == dtype and torch.equal(g, reference(op, salt, 6, dtype=dtype)[rank])
 for op in ("avg", "max", "min"):
     out[f"all_reduce_{op}"] = attempt(lambda: all_reduce_grad(op, 0))
 out["all_reduce_max_bfloat16"] = attempt(lambda: all_reduce_grad("max", 3, torch.bfloat16))
@@ -220,8 +221,8 @@ def test_native_gradients_are_wrong(env, tmp_path):
                  "all_reduce_max_ties", "all_reduce_min_ties", "all_reduce_max_bfloat16")
         assert [out[k] for k in wrong] == [False] * len(wrong), out
         # avg: each rank's own gradient, or (2.4-2.6 without gloo-avg) gloo refuses the forward
-        assert out["all_reduce_avg"] in ((False, "Cannot use ReduceOp.AVG with Gloo") if not env and torch_matches("<2.7")
-                                         else (False,)), out
+        refused = not env and torch_matches("<2.7")
+        assert out["all_reduce_avg"] in ((False, "Cannot use ReduceOp.AVG with Gloo") if refused else (False,)), out
 
 
 @only_torch(">=2.4", "torch.library.register_autograd arrived in 2.4")
