@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import POINTWISE_MODULES
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-partial-add-scalar",
@@ -93,11 +94,7 @@ def reduce_before_adding_numbers(patcher: Patcher, pointwise: ModuleType) -> boo
         return False
     if not (hasattr(pointwise, "pointwise_strategy") and hasattr(pointwise, "linear_pointwise_ops")):
         return False  # torch 2.13's single-dim pointwise strategies: fixed there
-    try:
-        source = inspect.getsource(pointwise)
-    except (OSError, TypeError):
-        source = ""
-    if "_Number" in source:
+    if "_Number" in torch_source(pointwise):
         return False  # the upstream fix tests args for numbers
     import torch
 

@@ -26,13 +26,13 @@ Upstream:      https://github.com/pytorch/pytorch/pull/172041 (the error) and
                https://github.com/pytorch/pytorch/pull/172042 (no strategy that needs the conversion)
 """
 
-import inspect
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import (POINTWISE_MODULES, forget_shardings, operand_placements, partial_reduction,
                                          placement_types, set_strategy, sharding_propagator, with_placements)
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-partial-kinds",
@@ -77,11 +77,8 @@ def _refuse_in_redistribution(wrapped: Callable[..., Any], instance: Any, args: 
 def refuse_partial_conversions(patcher: Patcher, redistribute: ModuleType) -> bool:
     if not hasattr(redistribute, "redistribute_local_tensor"):
         return False
-    try:
-        if _UPSTREAM_MESSAGE in inspect.getsource(redistribute):
-            return False
-    except (OSError, TypeError):
-        pass  # no source: check anyway (the check only raises where the conversion would be a no-op)
+    if _UPSTREAM_MESSAGE in torch_source(redistribute):
+        return False
     cached = getattr(redistribute, "_gen_transform_infos", None)
     if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+: called on a cache miss
         patcher.wrap(redistribute, "_gen_transform_infos_non_cached", _refuse_in_plan)

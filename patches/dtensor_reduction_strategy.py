@@ -50,6 +50,7 @@ from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import forget_shardings, set_strategy, sharding_propagator
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-reduction-strategy",
@@ -160,10 +161,7 @@ def fix_reductions(patcher: Patcher, math_ops: ModuleType) -> bool:
 
     aten = torch.ops.aten
     op_map = getattr(math_ops, "LINEAR_REDUCTION_OP_MAP", {})
-    try:
-        source = inspect.getsource(math_ops.common_reduction_strategy)
-    except (OSError, TypeError):
-        source = ""
+    source = torch_source(math_ops.common_reduction_strategy)
     fix_partial = "reduce_op != reduction_op" not in source
     fix_avg = not hasattr(math_ops, "is_tensor_evenly_shardable_on_dim")
     fix_all = op_map.get(aten.all.default) == "sum"

@@ -31,6 +31,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/143989 (issue
 from typing import Any, Dict, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="fsdp-root-buffer-dtype",
@@ -64,13 +65,7 @@ def _root_pre_forward(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs
 
 
 def _forces_full_precision_without_handle(runtime: Any) -> bool:
-    import inspect
-
-    try:
-        source = inspect.getsource(runtime._root_pre_forward)
-    except (OSError, TypeError):
-        return False
-    return "should_cast_buffers_to_full_prec = True" in source
+    return "should_cast_buffers_to_full_prec = True" in torch_source(runtime._root_pre_forward)
 
 
 @PATCH.on_import(RUNTIME)

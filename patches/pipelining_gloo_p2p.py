@@ -53,9 +53,9 @@ def _batch_p2p(p2p_ops: List[Any], desc: Optional[str] = None) -> Any:
 
 @PATCH.on_import("torch.distributed.pipelining.schedules")
 def wait_for_every_work(patcher: Patcher, schedules: Any) -> bool:
-    import inspect
-
-    if "pop()" not in inspect.getsource(schedules._batch_p2p):
+    # A probe, no communication: with no ops, torch 2.4-2.7's ``_batch_p2p`` (one work) returns None,
+    # torch 2.8's (the list of works, each waited for) an empty list.
+    if schedules._batch_p2p([]) is not None:
         return False  # torch already waits for every work
     patcher.setattr(schedules, "_batch_p2p", _batch_p2p)
     return True

@@ -33,6 +33,7 @@ import threading
 from typing import Any, Dict, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="pipelining-runtime-dw-scale",
@@ -82,11 +83,7 @@ def scale_after_weight_backward(patcher: Patcher, schedules: Any) -> bool:
         return False
     if "scale_grads" not in inspect.signature(runtime.__init__).parameters:
         return False  # no scale_grads (torch < 2.7): the gradients are the sum by design
-    try:
-        source = inspect.getsource(runtime._step_microbatches)
-    except (OSError, TypeError):  # no source to read: leave torch alone
-        return False
-    if _weight_branch_scales(source):
+    if _weight_branch_scales(torch_source(runtime._step_microbatches)):
         return False  # torch already scales after the last W
     from torch.distributed.pipelining.stage import _PipelineStageBase
 

@@ -37,10 +37,10 @@ Upstream:      https://github.com/pytorch/pytorch/pull/175705 (issue #170277) an
                https://github.com/pytorch/pytorch/pull/181365 (issue #180952)
 """
 
-import inspect
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="pipelining-split-weight-grad",
@@ -110,10 +110,9 @@ def route_weight_gradients(patcher: Patcher, stage: Any) -> bool:
     import torch.distributed.pipelining._backward as backward
 
     original = getattr(backward, "stage_backward_weight", None)
-    try:
-        source = inspect.getsource(original) if original is not None else ""
-    except (OSError, TypeError):  # no source to read (a frozen or compiled torch): leave torch alone
-        return False
+    if original is None:
+        return False  # no split backward here
+    source = torch_source(original)
     if '"intermediates"' not in source or not _needs_fix(source):
         return False  # no split backward here, or torch already routes the gradients right
     patcher.setattr(backward, "stage_backward_weight", stage_backward_weight)
