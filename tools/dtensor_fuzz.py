@@ -1,0 +1,235 @@
+"""Differential fuzzing of DTensor: random programs, each against the same computation on full
+tensors, natively, with ``TORCHPATCH=1``, and on the newest torch (the oracle).
+
+    # a long run on one torch: native, TORCHPATCH=1 and torch 2.15.0 natively, by category
+    python tools/dtensor_fuzz.py compare --python VENV/bin/python --oracle VENV_2_15/bin/python \
+        --count 2000 [--seed 0] [--json runs.json]
+    # the corpus the tests hold every matrix torch to (run with torch 2.15.0: records its outcomes)
+    python tools/dtensor_fuzz.py corpus --python VENV_2_15/bin/python --write tests/fixtures/dtensor_fuzz_corpus.json
+    # one torch against the corpus (natively and with TORCHPATCH=1): exit 1 on any program that breaks
+    # the rule; --native: torch 2.15.0 still gives the corpus's outcomes
+    python tools/dtensor_fuzz.py check --python VENV/bin/python [--native]
+    # programs one by one, with their errors' words
+    python tools/dtensor_fuzz.py run --python VENV/bin/python --start 167 --count 1 [--torchpatch]
+
+The rule (README, "Silent wrong results"): with TORCHPATCH=1 a program gives what torch 2.15.0
+gives: its value where 2.15.0 computes one, an error only where 2.15.0 raises. Breaking it (``BAD``):
+a value or an error where the program was right natively (a regression), an error where it was wrong
+natively and 2.15.0 computes, a wrong value, one rank failing while the other waits (``hang``,
+``split``). An error natively and with TORCHPATCH=1 where 2.15.0 computes is counted apart: a
+feature this torch lacks that no patch serves. What the programs are:
+``tools/dtensor_fuzz_programs.py``; how a rank runs them: ``tools/dtensor_fuzz_worker.py``. Each
+job is 2 gloo ranks on this machine (CPU); a job that fails on one rank is replaced by a new one
+from the next program on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from dtensor_fuzz_programs import GENERATOR, draw  # noqa: E402
+
+CORPUS = HERE.parent / "tests" / "fixtures" / "dtensor_fuzz_corpus.json"
+Outcomes = Dict[int, str]
+HANG = 3  # a worker's exit status when its peer never posted its outcome
+
+
+def run(python: str, seed: int, start: int, count: int, torchpatch: bool, wait_s: float = 10.0,
+        stall_s: float = 300.0, words: Optional[Dict[int, str]] = None) -> Outcomes:
+    """Each program's outcome: ``right``, ``wrong``, ``error:<Type>``, ``hang``, ``split``, ``invalid``
+    (and, into ``words``, the error's type and first line, rank 0's where both ranks raise)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPATCH")}
+    env.update(OMP_NUM_THREADS="1", **({"TORCHPATCH": "1"} if torchpatch else {}))
+    outcomes: Outcomes = {}
+    next_i, end, retries = start, start + count, 0
+    with tempfile.TemporaryDirectory(prefix="dtensor-fuzz-") as tmp:
+        while next_i < end:
+            out = os.path.join(tmp, f"job{next_i}")
+            errors = _job(python, env, seed, next_i, end, out, wait_s, stall_s)
+            for rank in (0, 1):
+                for line in _lines(f"{out}.{rank}"):
+                    outcomes.setdefault(line["i"], line["kind"] if line["kind"] != "error"
+                                        else "error:" + line["err"].split(":", 1)[0])
+                    if words is not None and "err" in line:
+                        words.setdefault(line["i"], line["err"])
+            done = max([i for i in outcomes if i >= next_i], default=next_i - 1)
+            if done < next_i:  # no program finished: the job itself failed
+                retries += 1
+                if retries == 3:
+                    raise RuntimeError(f"dtensor_fuzz: jobs from program {next_i} fail before running it:\n{errors}")
+                continue
+            retries, next_i = 0, done + 1
+    return outcomes
+
+
+def _job(python: str, env: Dict[str, str], seed: int, start: int, end: int, out: str,
+         wait_s: float, stall_s: float) -> str:
+    port = _free_port()
+    procs = [subprocess.Popen([python, str(HERE / "dtensor_fuzz_worker.py"), str(seed), str(start), str(end), out,
+                               str(wait_s)], env=dict(env, RANK=str(r), PORT=str(port)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in (0, 1)]
+    last, size, gone = time.monotonic(), -1, None
+    while any(p.poll() is None for p in procs):
+        now_size = sum(os.path.getsize(f"{out}.{r}") for r in (0, 1) if os.path.exists(f"{out}.{r}"))
+        if now_size != size:
+            last, size = time.monotonic(), now_size
+        codes = [p.poll() for p in procs]
+        if HANG in codes or time.monotonic() - last > stall_s:
+            break  # a rank found its peer stuck (the peer waits in a collective), or nothing moves at all
+        if gone is None and any(c is not None for c in codes):
+            gone = time.monotonic()
+        if gone is not None and time.monotonic() - gone > wait_s + 5:
+            break  # one rank died (not through the store): its peer had wait_s to notice
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return "\n".join(p.communicate()[1][-2000:] for p in procs)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
+
+
+# -- judging against the oracle ------------------------------------------------------------------
+BAD = ("regression", "refuses what 2.15 computes", "wrong with TORCHPATCH=1", "hang or split with TORCHPATCH=1")
+
+
+def category(native: str, patched: str, oracle: str) -> str:
+    """What ``TORCHPATCH=1`` did with a program, judged by the oracle's outcome."""
+    if "invalid" in (native, patched, oracle):
+        return "invalid program (the full-tensor reference raises)"
+    if patched in ("hang", "split"):
+        return "hang or split with TORCHPATCH=1" if oracle not in ("hang", "split") else (
+            f"2.15 hangs or splits too; native: {native}")
+    if patched == "wrong" and oracle != "wrong":
+        return "regression" if native == "right" else "wrong with TORCHPATCH=1"
+    if oracle == "right":
+        if patched == "right":
+            return "right both ways" if native == "right" else f"fixed (native: {native})"
+        if native == "right":
+            return "regression"
+        if native == "wrong":
+            return "refuses what 2.15 computes"
+        return f"an error natively and with TORCHPATCH=1 where 2.15 computes (not fixed; native: {native})"
+    if oracle == "wrong":
+        return f"2.15 wrong; native {native}, patched {patched}"
+    if patched.startswith("error"):
+        how = "same error type" if patched == oracle else f"{patched[6:]} where 2.15 raises {oracle[6:]}"
+        return f"2.15 raises; error with TORCHPATCH=1 ({how}; native: {native.split(':')[0]})"
+    return f"2.15 raises; a value with TORCHPATCH=1 (native: {native.split(':')[0]})"
+
+
+def breaks_rule(native: Outcomes, patched: Outcomes, oracle: Outcomes) -> List[Tuple[int, str]]:
+    """The programs whose ``TORCHPATCH=1`` outcome breaks the rule (``BAD``), with why."""
+    bad = []
+    for i, o in sorted(oracle.items()):
+        cat = category(native.get(i, "missing"), patched.get(i, "missing"), o)
+        if cat in BAD or "missing" in cat:
+            bad.append((i, f"{cat} (2.15.0: {o}; native: {native.get(i)}; TORCHPATCH=1: {patched.get(i)})"))
+    return bad
+
+
+def describe(seed: int, i: int) -> str:
+    return f"#{i}: " + json.dumps({k: v for k, v in draw(seed, i).items() if k != "values"})
+
+
+def _torch_version(python: str) -> str:
+    return subprocess.run([python, "-c", "import torch; print(torch.__version__.split('+')[0])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["compare", "corpus", "check", "run"])
+    parser.add_argument("--python", default=sys.executable, help="the interpreter of the torch to fuzz")
+    parser.add_argument("--oracle", help="compare: the interpreter of torch 2.15.0")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--count", type=int, default=200)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--json", help="compare: write every program's outcomes here")
+    parser.add_argument("--write", help="corpus: the file to write")
+    parser.add_argument("--corpus", default=str(CORPUS), help="check: the corpus (default: %(default)s)")
+    parser.add_argument("--native", action="store_true", help="check: run natively and require the corpus's "
+                        "outcomes exactly (with torch 2.15.0: the corpus is still true)")
+    parser.add_argument("--torchpatch", action="store_true", help="run: with TORCHPATCH=1")
+    parser.add_argument("--wait", type=float, default=10.0, help="seconds a rank waits for its peer's outcome "
+                        "before calling it a hang (only ever reached when one rank is stuck)")
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        words: Dict[int, str] = {}
+        for i, o in sorted(run(args.python, args.seed, args.start, args.count, args.torchpatch, args.wait,
+                               words=words).items()):
+            print(f"{o:28s} {describe(args.seed, i)}" + (f"\n{'':28s} {words[i]}" if i in words else ""))
+        return 0
+    if args.command == "corpus":
+        outcomes = run(args.python, args.seed, args.start, args.count, False, args.wait)
+        corpus = {"generator": GENERATOR, "seed": args.seed, "start": args.start, "count": args.count,
+                  "torch": _torch_version(args.python), "outcomes": {str(i): o for i, o in sorted(outcomes.items())}}
+        Path(args.write).write_text(json.dumps(corpus, indent=0) + "\n")
+        print(f"dtensor_fuzz: {len(outcomes)} outcomes of torch {corpus['torch']} written to {args.write}: "
+              + ", ".join(f"{k} {v}" for k, v in collections.Counter(outcomes.values()).most_common()))
+        return 0
+    if args.command == "check":
+        corpus = json.loads(Path(args.corpus).read_text())
+        if corpus["generator"] != GENERATOR:
+            raise SystemExit(f"dtensor_fuzz: {args.corpus} was drawn by generator {corpus['generator']}, this is "
+                             f"{GENERATOR}: rewrite it with the corpus command and torch 2.15.0")
+        oracle = {int(i): o for i, o in corpus["outcomes"].items()}
+        native = run(args.python, corpus["seed"], corpus["start"], corpus["count"], False, args.wait)
+        if args.native:
+            got = native
+            bad = [(i, f"corpus: {o}; here: {got.get(i)}") for i, o in sorted(oracle.items()) if got.get(i) != o]
+        else:
+            got = run(args.python, corpus["seed"], corpus["start"], corpus["count"], True, args.wait)
+            bad = breaks_rule(native, got, oracle)
+        mode = "natively" if args.native else "with TORCHPATCH=1"
+        print(f"dtensor_fuzz: torch {_torch_version(args.python)} {mode}: {len(got)} programs, "
+              f"{len(bad)} break the rule; " + ", ".join(f"{k} {v}" for k, v in collections.Counter(got.values()).most_common()))
+        for i, why in bad:
+            print(f"  {why}  {describe(corpus['seed'], i)}")
+        return 1 if bad else 0
+    if not args.oracle:
+        parser.error("compare needs --oracle (the interpreter of torch 2.15.0)")
+    runs = {name: run(py, args.seed, args.start, args.count, tp, args.wait)
+            for name, py, tp in (("native", args.python, False), ("patched", args.python, True),
+                                 ("oracle", args.oracle, False))}
+    cats: Dict[str, List[int]] = collections.defaultdict(list)
+    for i in range(args.start, args.start + args.count):
+        cats[category(runs["native"][i], runs["patched"][i], runs["oracle"][i])].append(i)
+    print(f"dtensor_fuzz: torch {_torch_version(args.python)}, {args.count} programs (seed {args.seed}), "
+          f"oracle torch {_torch_version(args.oracle)}")
+    for cat, ids in sorted(cats.items(), key=lambda kv: (kv[0] not in BAD, -len(kv[1]))):
+        print(f"{len(ids):6d}  {'BAD: ' if cat in BAD else ''}{cat}")
+        if cat in BAD:
+            for i in ids[:5]:
+                print(f"          {describe(args.seed, i)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({k: {str(i): o for i, o in v.items()} for k, v in runs.items()}))
+    return 1 if any(cat in BAD for cat in cats) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
