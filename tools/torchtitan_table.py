@@ -55,7 +55,8 @@ def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, 
     """Run the example under torchrun (or plain python for one process): (per-step losses, error)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTEST_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=release_dir, OMP_NUM_THREADS="1")
+    # the release first; a PYTHONPATH already set (a torchpatch build shadowing the venv's) stays after it
+    env.update(PYTHONPATH=os.pathsep.join(p for p in (release_dir, env.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
     if torchpatch:
         env["TORCHPATCH"] = "1"
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
