@@ -22,10 +22,13 @@ Fix:           where DTensor decides an op's sharding (``propagate_op_sharding_n
                reductions the shard each rank gets of the input, as it will be computed on, is
                worked out from the global shape and the placements (every rank knows both, no
                collective). If some rank's shard is empty, the op is run on an empty tensor of
-               that rank's shape, and the error it raises there (the first such rank's) is raised
-               on every rank: torch's own exception type and words, then a note. A refusal is
-               never cached, so it is raised on every call. ``_StridedShard`` placements are left
-               to torch.
+               that rank's shape (2.13+'s argmax/argmin: the ``torch.max``/``torch.min`` their
+               handler runs first), and the error it raises there (the first such rank's) is
+               raised on every rank: torch's words, then a note, as torch's exception type (a
+               subclass named as it, ``except IndexError`` catches it, which DTensor's dispatcher
+               lets through instead of wrapping it in "Sharding propagation failed"). A refusal is
+               never cached, so it is raised on every call. ``_StridedShard`` placements, and
+               anything this cannot work out, are left to torch.
 Upstream:      none (fixed in no release)
 """
 
@@ -107,22 +110,21 @@ def _passing_dispatch(exc_type: type, op: Any) -> type:
     return _passing[exc_type]
 
 
-def _refuse_empty_shard(op_schema: Any, spec_schema: Any, local_op: Callable[..., Any]) -> None:
-    """Raise, on every rank, what ``local_op`` (the op, or what its handler runs on the shard)
-    raises on a rank whose shard of the input (as ``spec_schema`` places it) is empty."""
+def _empty_shard_error(op_schema: Any, spec_schema: Any, local_op: Callable[..., Any]) -> Optional[BaseException]:
+    """The error ``local_op`` (the op, or what its handler runs on the shard) raises on the first
+    rank whose shard of the input (as ``spec_schema`` places it) is empty, made to reach the caller
+    of the op as it is, or None."""
     args, kwargs = tuple(spec_schema.args_schema), dict(spec_schema.kwargs_schema)
     if not args or not _is_spec(args[0]) or any(_is_spec(x) for x in args[1:] + tuple(kwargs.values())):
-        return
+        return None
     spec = args[0]
     meta = spec.tensor_meta
     if meta is None or 0 in meta.shape or not any(p.is_shard() for p in spec.placements):
-        return  # a globally empty tensor raises on every rank anyway
+        return None  # a globally empty tensor raises on every rank anyway
     shapes = _local_shapes(list(meta.shape), list(spec.mesh.shape), spec.placements)
-    if shapes is None:
-        return
     import torch
 
-    for rank, shape in enumerate(shapes):
+    for rank, shape in enumerate(shapes or ()):
         if 0 not in shape:
             continue
         try:
@@ -132,10 +134,10 @@ def _refuse_empty_shard(op_schema: Any, spec_schema: Any, local_op: Callable[...
                     f"{tuple(shape)} of {tuple(meta.shape)} placed {tuple(spec.placements)}: torch raises this there "
                     "alone, and the other ranks wait in their next collective.)")
             try:
-                error = _passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
+                return _passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
             except Exception:
-                raise exc from None
-            raise error from None
+                return exc
+    return None
 
 
 def _handler_op(op: Any) -> Optional[Callable[..., Any]]:
@@ -162,12 +164,18 @@ def _propagate(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...]
     sharding = wrapped(*args, **kwargs)
     op_schema = args[0] if args else kwargs["op_schema"]
     op = getattr(op_schema, "op", None)
-    if op in _reductions():
+    if op not in _reductions():
+        return sharding
+    try:
         handler_op = _handler_op(op)
         if handler_op is not None:  # the handler computes on the shards as they are
-            _refuse_empty_shard(op_schema, op_schema, handler_op)
+            error = _empty_shard_error(op_schema, op_schema, handler_op)
         else:  # the op runs on the shards the propagation chose
-            _refuse_empty_shard(op_schema, getattr(sharding, "redistribute_schema", None) or op_schema, op)
+            error = _empty_shard_error(op_schema, getattr(sharding, "redistribute_schema", None) or op_schema, op)
+    except Exception:  # fail safe: anything this does not know is left to torch
+        return sharding
+    if error is not None:
+        raise error from None
     return sharding
 
 
