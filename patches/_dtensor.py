@@ -1,6 +1,7 @@
 """Where DTensor's pieces live on each torch, for the DTensor patches (not a patch itself)."""
 
 import dataclasses
+import functools
 from typing import Any, Callable, List, Optional, Tuple
 
 # OpDispatcher's module: torch 2.2-2.4, then 2.5 and later.
@@ -80,3 +81,18 @@ def with_placements(spec: Any, operands: List[Any], output: List[Any], inputs: L
     cost = [costs(op, s) for op, s in zip(operands, specs)] if spec.redistribute_cost else spec.redistribute_cost
     return dataclasses.replace(spec, output_specs=dataclasses.replace(spec.output_spec, placements=tuple(output)),
                                input_specs=specs, redistribute_cost=cost)
+
+
+def route_sharding_cache(patcher: Any, propagator: Any) -> None:
+    """A propagator made before a patch wrapped ``propagate_op_sharding_non_cached`` bound the
+    original method into its sharding cache: a new cache of the same kind, through the wrapped
+    method (undone by ``patcher``)."""
+    cache = propagator.propagate_op_sharding
+    method = propagator.propagate_op_sharding_non_cached
+    if isinstance(cache, functools._lru_cache_wrapper):  # torch 2.4-2.8
+        routed = functools.lru_cache(None)(method)
+    elif isinstance(getattr(cache, "cache", None), functools._lru_cache_wrapper):  # 2.9+: LocalLRUCache
+        routed = type(cache)(method)
+    else:
+        raise RuntimeError("DTensor's sharding cache is of a kind torchpatch does not know")
+    patcher.setattr(propagator, "propagate_op_sharding", routed)

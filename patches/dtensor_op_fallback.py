@@ -41,6 +41,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import DISPATCH_MODULES, dtensor_type, placement_types
+from torchpatch.patches._dtensor import route_sharding_cache as _route_cache
 
 PATCH = Patch(
     id="dtensor-op-fallback",
@@ -281,20 +282,6 @@ def _hook_wrap() -> None:
     with _wrap_lock:
         if "wrapped" not in _installed and hasattr(_installed["dispatcher"], "dispatch"):
             _installed["wrapped"] = _installed["patcher"].wrap(_installed["dispatcher"], "wrap", _wrap)
-
-
-def _route_cache(patcher: Patcher, propagator: Any) -> None:
-    """A propagator made before the patch bound the original method into its sharding cache: a new
-    cache of the same kind, through the wrapped method."""
-    cache = propagator.propagate_op_sharding
-    method = propagator.propagate_op_sharding_non_cached
-    if isinstance(cache, functools._lru_cache_wrapper):  # torch 2.4-2.8
-        routed = functools.lru_cache(None)(method)
-    elif isinstance(getattr(cache, "cache", None), functools._lru_cache_wrapper):  # 2.9+: LocalLRUCache
-        routed = type(cache)(method)
-    else:
-        raise RuntimeError("DTensor's sharding cache is of a kind this patch does not know")
-    patcher.setattr(propagator, "propagate_op_sharding", routed)
 
 
 def _teach_op_dispatcher(patcher: Patcher, dispatch: ModuleType) -> Optional[bool]:

@@ -38,7 +38,8 @@ def table() -> str:
             items.append(f"{len(p.aliases)} module aliases")
         provides = "<br>".join(items + ([p.behaviour] if p.behaviour else []))
         python = f" (Python {p.python})" if p.python else ""
-        rows.append(f"| `{p.id}` | {p.category} | `{p.torch}`{python} | {provides} | {p.summary} | [link]({p.upstream}) |")
+        upstream = f"[link]({p.upstream})" if p.upstream else "none (fixed in no release)"
+        rows.append(f"| `{p.id}` | {p.category} | `{p.torch}`{python} | {provides} | {p.summary} | {upstream} |")
     return "\n".join(rows)
 
 
@@ -46,7 +47,8 @@ def bugs_table() -> str:
     rows = ["| bug | torch | what goes wrong (silently) | fixed by | upstream |", "|---|---|---|---|---|"]
     for b in known_bugs():
         fix = f"`{b['patch']}`" if b["patch"] else f"not fixable: {b['not_fixable']}"
-        rows.append(f"| `{b['id']}` | `{b['torch']}` | {b['what']} | {fix} | [link]({b['upstream']}) |")
+        upstream = f"[link]({b['upstream']})" if b["upstream"] else "none (fixed in no release)"
+        rows.append(f"| `{b['id']}` | `{b['torch']}` | {b['what']} | {fix} | {upstream} |")
     return "\n".join(rows)
 
 
