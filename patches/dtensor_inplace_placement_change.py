@@ -45,6 +45,7 @@ Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); to
                ``_NON_DECREASING_RULES``, ``_ALL_PARTIAL_BINARY_PRESERVING_RULES``)
 """
 
+import math
 import os
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -145,6 +146,16 @@ _KEPT: Dict[str, Tuple[Tuple[str, ...], Dict[str, str]]] = {
 _OPERAND_NEEDED = {"add_", "sub_", "_foreach_add_", "_foreach_sub_"}
 
 
+def _reduction(placement: Any) -> Optional[str]:
+    """How a Partial of ``self`` reduces: a plain Partial's op, and a pending inf (-inf) norm's "max"
+    ("min"): the ranks' norms reduce by their max, which torch 2.12+ make a plain ``Partial("max")``,
+    so ``relu_`` of ``vector_norm(x, inf)`` keeps it, as torch 2.15 computes it."""
+    norm_type = getattr(placement, "norm_type", None)
+    if placement.is_partial() and norm_type in (math.inf, -math.inf):
+        return "max" if norm_type > 0 else "min"
+    return partial_reduction(placement)
+
+
 def _children(strategy: Any) -> Any:
     """A foreach op's per-tensor strategies (``childs`` before torch 2.5), or None for one tensor."""
     children = getattr(strategy, "children", None)
@@ -176,7 +187,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
     Partial of ``self`` that ``rule`` keeps kept on the mesh dims where torch would reduce it (and
     replicate the output) or keeps it: there the other operands take a placement the rule allows."""
     have = operand_placements(operands)
-    dims = [i for i, p in enumerate(have[0]) if partial_reduction(p) in rule]
+    dims = [i for i, p in enumerate(have[0]) if _reduction(p) in rule]
     if not dims or (operand_needed and len(operands) < 2):
         return result
     replicate = placement_types()[1]()
@@ -193,7 +204,7 @@ def _keep_partial(operands: List[Any], result: Any, rule: Dict[str, str], operan
             reduced = out_placements[i].is_replicate() and all(p[i].is_replicate() for p in placements)
             if not (reduced or out_placements[i] == placements[0][i] == kept):
                 continue
-            others = _others_placements(kept, rule[partial_reduction(kept)], [h[i] for h in have[1:]], replicate)
+            others = _others_placements(kept, rule[_reduction(kept)], [h[i] for h in have[1:]], replicate)
             if others is None:
                 continue
             out_placements[i] = placements[0][i] = kept

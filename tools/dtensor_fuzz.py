@@ -3,7 +3,7 @@ tensors, natively, with ``TORCHPATCH=1``, and on the newest torch (the oracle).
 
     # a long run on one torch: native, TORCHPATCH=1 and torch 2.15.0 natively, by category
     python tools/dtensor_fuzz.py compare --python VENV/bin/python --oracle VENV_2_15/bin/python \
-        --count 2000 [--seed 0] [--json runs.json]
+        --count 2000 [--seed 0] [--json runs.json] [--cache DIR]
     # the corpus the tests hold every matrix torch to (run with torch 2.15.0: records its outcomes)
     python tools/dtensor_fuzz.py corpus --python VENV_2_15/bin/python --write tests/fixtures/dtensor_fuzz_corpus.json
     # one torch against the corpus (natively and with TORCHPATCH=1): exit 1 on any program that breaks
@@ -156,6 +156,24 @@ def describe(seed: int, i: int) -> str:
     return f"#{i}: " + json.dumps({k: v for k, v in draw(seed, i).items() if k != "values"})
 
 
+def _cached_run(args: argparse.Namespace, python: str, torchpatch: bool) -> Outcomes:
+    """``run``; native runs are kept in ``--cache`` (a directory) and read back: they do not depend on
+    torchpatch, so a long comparison after a change of a patch reruns only the TORCHPATCH=1 side."""
+    path = None
+    if args.cache and not torchpatch:
+        stem = f"{_torch_version(python)}-native-g{GENERATOR}-seed{args.seed}-from{args.start}"
+        path = Path(args.cache) / f"{stem}-{args.count}.json"
+        for kept in Path(args.cache).glob(f"{stem}-*.json"):  # a longer run holds this one
+            if int(kept.stem.rsplit("-", 1)[1]) >= args.count:
+                outcomes = {int(i): o for i, o in json.loads(kept.read_text()).items()}
+                return {i: outcomes[i] for i in range(args.start, args.start + args.count)}
+    outcomes = run(python, args.seed, args.start, args.count, torchpatch, args.wait)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({str(i): o for i, o in sorted(outcomes.items())}))
+    return outcomes
+
+
 def _torch_version(python: str) -> str:
     return subprocess.run([python, "-c", "import torch; print(torch.__version__.split('+')[0])"],
                           capture_output=True, text=True, check=True).stdout.strip()
@@ -170,6 +188,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--count", type=int, default=200)
     parser.add_argument("--start", type=int, default=0)
     parser.add_argument("--json", help="compare: write every program's outcomes here")
+    parser.add_argument("--cache", help="compare: a directory of your own where native runs are kept and reused")
     parser.add_argument("--write", help="corpus: the file to write")
     parser.add_argument("--corpus", default=str(CORPUS), help="check: the corpus (default: %(default)s)")
     parser.add_argument("--native", action="store_true", help="check: run natively and require the corpus's "
@@ -213,9 +232,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 1 if bad else 0
     if not args.oracle:
         parser.error("compare needs --oracle (the interpreter of torch 2.15.0)")
-    runs = {name: run(py, args.seed, args.start, args.count, tp, args.wait)
-            for name, py, tp in (("native", args.python, False), ("patched", args.python, True),
-                                 ("oracle", args.oracle, False))}
+    runs = {name: _cached_run(args, py, tp) for name, py, tp in (
+        ("native", args.python, False), ("patched", args.python, True), ("oracle", args.oracle, False))}
     cats: Dict[str, List[int]] = collections.defaultdict(list)
     for i in range(args.start, args.start + args.count):
         cats[category(runs["native"][i], runs["patched"][i], runs["oracle"][i])].append(i)
