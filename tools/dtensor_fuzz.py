@@ -60,8 +60,7 @@ def run(python: str, seed: int, start: int, count: int, torchpatch: bool, wait_s
             errors = _job(python, env, seed, next_i, end, out, wait_s, stall_s)
             for rank in (0, 1):
                 for line in _lines(f"{out}.{rank}"):
-                    outcomes.setdefault(line["i"], line["kind"] if line["kind"] != "error"
-                                        else "error:" + line["err"].split(":", 1)[0])
+                    outcomes.setdefault(line["i"], _outcome(line))
                     if words is not None and "err" in line:
                         words.setdefault(line["i"], line["err"])
             done = max([i for i in outcomes if i >= next_i], default=next_i - 1)
@@ -72,6 +71,18 @@ def run(python: str, seed: int, start: int, count: int, torchpatch: bool, wait_s
                 continue
             retries, next_i = 0, done + 1
     return outcomes
+
+
+# What a rank's collective raises when its peer left it or sent what it did not expect: the ranks
+# went different ways (a collective mismatch), whatever error each then reports.
+DESYNC = ("Connection closed by peer", "Connection reset by peer", "collective mismatch",
+          "doesn't match expected size")
+
+
+def _outcome(line: Dict[str, Any]) -> str:
+    if line["kind"] != "error":
+        return line["kind"]
+    return "split" if any(words in line["err"] for words in DESYNC) else "error:" + line["err"].split(":", 1)[0]
 
 
 def _job(python: str, env: Dict[str, str], seed: int, start: int, end: int, out: str,
