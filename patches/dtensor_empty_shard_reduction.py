@@ -1,5 +1,5 @@
-"""dtensor-empty-shard-reduction: ``amax``/``amin``/``max()``/``argmax`` of a DTensor with an empty shard
-raise on every rank instead of raising on one and hanging the others, torch 2.4 and later.
+"""dtensor-empty-shard-reduction: ``amax``/``amin``/``max()``/``argmax``/inf-norms of a DTensor with an
+empty shard raise on every rank instead of raising on one and hanging the others, torch 2.4 and later.
 
 What breaks:   a reduction over a sharded dimension of a DTensor whose shard is empty on some rank
                (uneven sharding: a tensor of 1 row ``Shard(0)`` over 2 ranks, 3 rows over 4 ranks,
@@ -12,7 +12,9 @@ What breaks:   a reduction over a sharded dimension of a DTensor whose shard is 
                exits.
 Torch:         every torch tried, torch 2.15.0 too, for the reductions whose sharding strategy
                reduces each shard (``amax``, ``amin``, ``max()``, ``min()``, ``argmax``,
-               ``argmin``, over the sharded dim or all dims; ``max()``/``min()`` on 2.4.1). Torch
+               ``argmin``, over the sharded dim or all dims; ``max()``/``min()`` on 2.4.1; the
+               inf and -inf norms of ``linalg.vector_norm`` and ``_foreach_norm``, which
+               ``clip_grad_norm_(norm_type=inf)`` takes of every gradient). Torch
                2.13 and later gather the reduced dim first for ``max(dim)``, ``min(dim)`` and
                ``aminmax`` (a value: torchpatch's dtensor-reduction-strategy does so on 2.4-2.12,
                dtensor-op-fallback for the ops 2.4-2.12 have no strategy for), and those stay as
@@ -42,8 +44,8 @@ from torchpatch.patches._dtensor import DISPATCH_MODULES, route_sharding_cache
 
 PATCH = Patch(
     id="dtensor-empty-shard-reduction",
-    summary="DTensor amax/amin/max()/argmax over a dim whose shard is empty on some rank raise torch's "
-    "error on every rank instead of raising on one and hanging the others",
+    summary="DTensor amax/amin/max()/argmax/inf-norm over a dim whose shard is empty on some rank raise "
+    "torch's error on every rank instead of raising on one and hanging the others",
     torch=">=2.4",
     upstream="",
     behaviour="distribute_tensor(1 row, Shard(0)) over 2 ranks .amax(0) / .max() / .argmax()",
@@ -53,7 +55,8 @@ PATCH = Patch(
 # the reductions that run on each rank's shard and raise on an empty one (max.dim, min.dim and
 # aminmax too, where a torch or a patch leaves their reduced dim sharded)
 _OPS = (("amax", "default"), ("amin", "default"), ("max", "default"), ("min", "default"), ("max", "dim"),
-        ("min", "dim"), ("argmax", "default"), ("argmin", "default"), ("aminmax", "default"))
+        ("min", "dim"), ("argmax", "default"), ("argmin", "default"), ("aminmax", "default"),
+        ("linalg_vector_norm", "default"), ("_foreach_norm", "Scalar"))  # these two: ord=inf/-inf only
 _ops: Dict[str, FrozenSet[Any]] = {}
 _passing: Dict[type, type] = {}  # an exception type: its subclass that passes DTensor's dispatcher
 
@@ -115,28 +118,30 @@ def _empty_shard_error(op_schema: Any, spec_schema: Any, local_op: Callable[...,
     rank whose shard of the input (as ``spec_schema`` places it) is empty, made to reach the caller
     of the op as it is, or None."""
     args, kwargs = tuple(spec_schema.args_schema), dict(spec_schema.kwargs_schema)
-    if not args or not _is_spec(args[0]) or any(_is_spec(x) for x in args[1:] + tuple(kwargs.values())):
+    listed = bool(args) and isinstance(args[0], (list, tuple))  # a foreach op's tensors
+    specs = list(args[0]) if listed else list(args[:1])
+    if not specs or not all(_is_spec(x) for x in specs) or any(_is_spec(x) for x in args[1:] + tuple(kwargs.values())):
         return None
-    spec = args[0]
-    meta = spec.tensor_meta
-    if meta is None or 0 in meta.shape or not any(p.is_shard() for p in spec.placements):
-        return None  # a globally empty tensor raises on every rank anyway
-    shapes = _local_shapes(list(meta.shape), list(spec.mesh.shape), spec.placements)
     import torch
 
-    for rank, shape in enumerate(shapes or ()):
-        if 0 not in shape:
-            continue
-        try:
-            local_op(torch.empty(shape, dtype=meta.dtype), *args[1:], **kwargs)
-        except Exception as exc:  # the error that rank would raise alone
-            note = (f" (torchpatch dtensor-empty-shard-reduction: the shard of rank {rank} of the mesh is empty, "
-                    f"{tuple(shape)} of {tuple(meta.shape)} placed {tuple(spec.placements)}: torch raises this there "
-                    "alone, and the other ranks wait in their next collective.)")
+    for spec in specs:
+        meta = spec.tensor_meta
+        if meta is None or 0 in meta.shape or not any(p.is_shard() for p in spec.placements):
+            continue  # a globally empty tensor raises on every rank anyway
+        for rank, shape in enumerate(_local_shapes(list(meta.shape), list(spec.mesh.shape), spec.placements) or ()):
+            if 0 not in shape:
+                continue
+            empty = torch.empty(shape, dtype=meta.dtype)
             try:
-                return _passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
-            except Exception:
-                return exc
+                local_op([empty] if listed else empty, *args[1:], **kwargs)
+            except Exception as exc:  # the error that rank would raise alone
+                note = (f" (torchpatch dtensor-empty-shard-reduction: the shard of rank {rank} of the mesh is empty, "
+                        f"{tuple(shape)} of {tuple(meta.shape)} placed {tuple(spec.placements)}: torch raises this "
+                        "there alone, and the other ranks wait in their next collective.)")
+                try:
+                    return _passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
+                except Exception:
+                    return exc
     return None
 
 

@@ -28,6 +28,7 @@ cases = {  # name: (global tensor, op)
     "argmax0": (ONE, lambda x: x.argmax(0)), "argmin0": (ONE, lambda x: x.argmin(0)), "argmax": (ONE, lambda x: x.argmax()),
     "max0": (ONE, lambda x: x.max(0)), "min0": (ONE, lambda x: x.min(dim=0)),
     "aminmax0": (ONE, lambda x: torch.aminmax(x, dim=0)), "aminmax": (ONE, lambda x: torch.aminmax(x)),
+    "norm_inf": (ONE, lambda x: torch.linalg.vector_norm(x, float("inf"))),  # clip_grad_norm_(norm_type=inf)
     # not reducing an empty shard: a value
     "sum0": (ONE, lambda x: x.sum(0)), "max_uneven": (THREE, lambda x: x.max()),
 }
@@ -86,6 +87,8 @@ WORDS = {  # torch 2.15.0's error on the rank whose shard is empty
     "argmax0": "IndexError: max(): Expected reduction dim 0 to have non-zero size.",
     "argmin0": "IndexError: min(): Expected reduction dim 0 to have non-zero size.",
     "argmax": f"RuntimeError: max(): {_NO_DIM}",
+    "norm_inf": "RuntimeError: linalg.vector_norm cannot compute the inf norm on an empty tensor because the "
+                "operation does not have an identity",
 }
 GATHERED = ("max0", "min0", "aminmax0", "aminmax")  # torch 2.13+ gathers the reduced dim first: a value
 VALUES = ("sum0", "max_uneven")
