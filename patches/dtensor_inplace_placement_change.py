@@ -31,7 +31,9 @@ Fix:           (1) those in-place ops (and their foreach forms) get torch 2.13's
                sharding strategy: where torch would reduce ``self``'s ``Partial`` (or keeps it but
                asks an operand for a Partial the rule does not allow), the ``Partial`` is kept and
                the other operands take a placement the rule allows (replicated, or the same
-               ``Partial`` for a replicated operand added to a sum), so ``self`` is not
+               ``Partial`` for a replicated or sharded operand added to or copied into a sum: a
+               shard's redistribution is planned through ``Replicate``, gathered then split, since
+               this torch plans no ``Shard`` -> ``Partial``, and torch 2.14+ compute it), so ``self`` is not
                redistributed and the op runs on the DTensor's own local tensor. (2) before DTensor
                redistributes the arguments of any other in-place op (a schema name ending in
                ``_``), the placements asked for its first argument (each tensor of the list, for
@@ -45,6 +47,7 @@ Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); to
                ``_NON_DECREASING_RULES``, ``_ALL_PARTIAL_BINARY_PRESERVING_RULES``)
 """
 
+import dataclasses
 import math
 import os
 from types import ModuleType
@@ -54,6 +57,7 @@ from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, operand_placements,
                                          partial_reduction, placement_types, set_strategy, sharding_propagator,
                                          with_placements)
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -165,7 +169,7 @@ def _children(strategy: Any) -> Any:
 def _others_placements(kept: Any, allowed: str, current: List[Any], replicate: Any) -> Optional[List[Any]]:
     """Where ``self`` keeps the Partial ``kept``, the placements of the other operands on that mesh
     dim, from what each has (``current``) and what the rule allows: "P" ``kept`` (which a replicated
-    operand becomes only for a sum, its value split), "R" replicated (any operand, reduced), "r"
+    or sharded operand becomes only for a sum, its value split), "R" replicated (any operand, reduced), "r"
     replicated if it is already. None if an operand can take none of them (a Partial of another
     kind where the rule wants ``kept``: torch 2.13 never converts one Partial into another)."""
     placements = []
@@ -174,8 +178,8 @@ def _others_placements(kept: Any, allowed: str, current: List[Any], replicate: A
             placements.append(have)
         elif "R" in allowed:
             placements.append(replicate)
-        elif "P" in allowed and have.is_replicate() and partial_reduction(kept) == "sum":
-            placements.append(kept)
+        elif "P" in allowed and (have.is_replicate() or have.is_shard()) and partial_reduction(kept) == "sum":
+            placements.append(kept)  # a shard through Replicate (split_shards_through_replicate), as torch 2.15
         else:
             return None
     return placements
@@ -290,4 +294,58 @@ def keep_partials_through_copy(patcher: Patcher, tensor_ops: ModuleType) -> bool
         return False  # torch 2.4 (its own copy strategy keeps Partials), or 2.13's single-dim rules
     set_strategy(patcher, op, _keeping_strategy(original, _COPY, True, pointwise.generate_redistribute_costs))
     forget_shardings()
+    return True
+
+
+REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distributed.tensor._redistribute")
+
+
+def _shard_to_partial_sum(redistribute: ModuleType) -> Callable[..., Any]:
+    """A wrapper of ``_gen_transform_infos(src_spec, dst_spec)``, the plan of a redistribution: a
+    ``Shard`` asked to become a ``Partial("sum")`` (an operand of a sum's ``add_``, ``sub_`` or
+    ``copy_``), which this torch's redistribution refuses ("redistribute from S(0) to P not supported
+    yet"), is gathered (replicated) by the plan of the rest, then split (Replicate -> Partial), as
+    torch 2.15 moves it; the plan is made once per pair of specs (cached by torch)."""
+
+    def plan(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        src, dst = (args + tuple(kwargs.values()))[:2]
+        dims = [i for i, (have, want) in enumerate(zip(src.placements, dst.placements))
+                if have.is_shard() and want.is_partial() and partial_reduction(want) == "sum"]
+        if not dims:
+            return wrapped(*args, **kwargs)
+        replicate = placement_types()[1]()
+        gathered = dataclasses.replace(dst, placements=tuple(
+            replicate if i in dims else p for i, p in enumerate(dst.placements)))
+        steps = list(wrapped(src, gathered))
+        info = redistribute._TransformInfo
+        split = [info(mesh_dim=i, src_dst_placements=(replicate, dst.placements[i]), logical_shape=list(src.shape))
+                 for i in dims]  # a local division: after the gathering, on any mesh dim
+        return steps + split
+
+    return plan
+
+
+@PATCH.on_import(REDISTRIBUTE_MODULES[0])
+@PATCH.on_import(REDISTRIBUTE_MODULES[1])
+def split_shards_through_replicate(patcher: Patcher, redistribute: ModuleType) -> bool:
+    """Plan a ``Shard`` -> ``Partial("sum")`` redistribution through ``Replicate``."""
+    if not hasattr(redistribute, "redistribute_local_tensor") or not hasattr(redistribute, "_TransformInfo"):
+        return False
+    if "_to_partial_tensor" in torch_source(redistribute):  # torch 2.15 zero-fills a shard into a Partial("sum")
+        return False
+    cached = getattr(redistribute, "_gen_transform_infos", None)
+    plan = _shard_to_partial_sum(redistribute)
+    if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+: called on a cache miss
+        patcher.wrap(redistribute, "_gen_transform_infos_non_cached", plan)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    elif hasattr(cached, "cache_clear") and hasattr(cached, "__wrapped__"):  # 2.4: an lru_cache of the plan
+        import functools
+
+        import wrapt
+
+        patcher.setattr(redistribute, "_gen_transform_infos",
+                        functools.lru_cache(maxsize=None)(wrapt.FunctionWrapper(cached.__wrapped__, plan)))
+    else:
+        return False
     return True
