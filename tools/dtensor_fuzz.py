@@ -150,6 +150,8 @@ def category(native: str, patched: str, oracle: str) -> str:
         return f"an error natively and with TORCHPATCH=1 where 2.15 computes (not fixed; native: {native})"
     if oracle == "wrong":
         return f"2.15 wrong; native {native}, patched {patched}"
+    if oracle == "split":
+        return f"2.15 splits; with TORCHPATCH=1 {patched.split(':')[0]} on every rank (native: {native.split(':')[0]})"
     if patched.startswith("error"):
         how = "same error type" if patched == oracle else f"{patched[6:]} where 2.15 raises {oracle[6:]}"
         return f"2.15 raises; error with TORCHPATCH=1 ({how}; native: {native.split(':')[0]})"
