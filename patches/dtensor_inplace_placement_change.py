@@ -50,6 +50,7 @@ Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); to
 import dataclasses
 import math
 import os
+import sys
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -57,7 +58,6 @@ from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, operand_placements,
                                          partial_reduction, placement_types, set_strategy, sharding_propagator,
                                          with_placements)
-from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -331,7 +331,8 @@ def split_shards_through_replicate(patcher: Patcher, redistribute: ModuleType) -
     """Plan a ``Shard`` -> ``Partial("sum")`` redistribution through ``Replicate``."""
     if not hasattr(redistribute, "redistribute_local_tensor") or not hasattr(redistribute, "_TransformInfo"):
         return False
-    if "_to_partial_tensor" in torch_source(redistribute):  # torch 2.15 zero-fills a shard into a Partial("sum")
+    shard = getattr(sys.modules.get(placement_types()[1].__module__), "Shard", None)
+    if hasattr(shard, "_to_partial_tensor"):  # torch 2.14+ zero-fill a shard into a Partial("sum") themselves
         return False
     cached = getattr(redistribute, "_gen_transform_infos", None)
     plan = _shard_to_partial_sum(redistribute)
