@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches._dtensor import POINTWISE_MODULES, forget_shardings
+from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-norm-partial-pointwise",
@@ -91,10 +92,9 @@ def reduce_norm_partials_first(patcher: Patcher, pointwise: ModuleType) -> bool:
         return False  # torch 2.12's single-dim rules never keep a _NormPartial
     try:
         signature = inspect.signature(strategy)
-        source = inspect.getsource(pointwise)
-    except (OSError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return False
-    if "linearity" not in signature.parameters or "_NormPartial" in source:
+    if "linearity" not in signature.parameters or "_NormPartial" in torch_source(pointwise):
         return False  # the upstream fix (torch 2.11) checks for _NormPartial itself
     patcher.wrap(pointwise, "common_pointwise_strategy", _reducing_norm_partials(signature))
     patcher.setattr(pointwise, _DONE, True)

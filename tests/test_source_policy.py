@@ -17,6 +17,7 @@ READERS = {
     "dtensor-partial-kinds": ("torch.distributed._tensor", ">=2.2,<2.13"),
     "dtensor-partial-add-scalar": ("torch.distributed._tensor", ">=2.2,<2.13"),
     "dtensor-reduction-strategy": ("torch.distributed._tensor", ">=2.2,<2.14"),
+    "dtensor-norm-partial-pointwise": ("torch.distributed._tensor", ">=2.2,<2.11"),
     "fsdp-root-buffer-dtype": ("torch.distributed.fsdp", ">=2.1,<2.6"),
     "pipelining-runtime-dw-scale": ("torch.distributed.pipelining.schedules", ">=2.7,<2.10"),
     "pipelining-split-weight-grad": ("torch.distributed.pipelining.stage", ">=2.5,<2.13"),
