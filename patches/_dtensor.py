@@ -8,6 +8,8 @@ from typing import Any, Callable, List, Optional, Tuple
 DISPATCH_MODULES = ("torch.distributed._tensor._dispatch", "torch.distributed.tensor._dispatch")
 # The pointwise sharding strategies' module: torch 2.2-2.4, then 2.5 and later.
 POINTWISE_MODULES = ("torch.distributed._tensor.ops.pointwise_ops", "torch.distributed.tensor._ops._pointwise_ops")
+# The redistribution's module (its plans and local conversions): torch 2.2-2.4, then 2.5 and later.
+REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distributed.tensor._redistribute")
 
 
 def dtensor_type() -> type:
@@ -96,3 +98,23 @@ def route_sharding_cache(patcher: Any, propagator: Any) -> None:
     else:
         raise RuntimeError("DTensor's sharding cache is of a kind torchpatch does not know")
     patcher.setattr(propagator, "propagate_op_sharding", routed)
+
+
+def wrap_transform_plan(patcher: Any, redistribute: Any, wrapper: Callable[..., Any]) -> bool:
+    """Wrap the plan of a redistribution, ``_gen_transform_infos(src_spec, dst_spec)``, which torch
+    makes once per pair of specs, with ``wrapper`` (a wrapt wrapper; undone by ``patcher``): on torch
+    2.5+ its maker called on a cache miss (plans cached so far forgotten), on 2.4 a new lru_cache over
+    the wrapped function. False where this torch caches no plan."""
+    cached = getattr(redistribute, "_gen_transform_infos", None)
+    if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+
+        patcher.wrap(redistribute, "_gen_transform_infos_non_cached", wrapper)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+        return True
+    if hasattr(cached, "cache_clear") and hasattr(cached, "__wrapped__"):  # 2.4: an lru_cache of the plan
+        import wrapt
+
+        patcher.setattr(redistribute, "_gen_transform_infos",
+                        functools.lru_cache(maxsize=None)(wrapt.FunctionWrapper(cached.__wrapped__, wrapper)))
+        return True
+    return False

@@ -55,9 +55,9 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, forget_shardings, operand_placements,
-                                         partial_reduction, placement_types, set_strategy, sharding_propagator,
-                                         with_placements)
+from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings,
+                                         operand_placements, partial_reduction, placement_types, set_strategy,
+                                         sharding_propagator, with_placements, wrap_transform_plan)
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -297,8 +297,6 @@ def keep_partials_through_copy(patcher: Patcher, tensor_ops: ModuleType) -> bool
     return True
 
 
-REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distributed.tensor._redistribute")
-
 
 def _shard_to_partial_sum(redistribute: ModuleType) -> Callable[..., Any]:
     """A wrapper of ``_gen_transform_infos(src_spec, dst_spec)``, the plan of a redistribution: a
@@ -334,19 +332,4 @@ def split_shards_through_replicate(patcher: Patcher, redistribute: ModuleType) -
     shard = getattr(sys.modules.get(placement_types()[1].__module__), "Shard", None)
     if hasattr(shard, "_to_partial_tensor"):  # torch 2.14+ zero-fill a shard into a Partial("sum") themselves
         return False
-    cached = getattr(redistribute, "_gen_transform_infos", None)
-    plan = _shard_to_partial_sum(redistribute)
-    if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+: called on a cache miss
-        patcher.wrap(redistribute, "_gen_transform_infos_non_cached", plan)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    elif hasattr(cached, "cache_clear") and hasattr(cached, "__wrapped__"):  # 2.4: an lru_cache of the plan
-        import functools
-
-        import wrapt
-
-        patcher.setattr(redistribute, "_gen_transform_infos",
-                        functools.lru_cache(maxsize=None)(wrapt.FunctionWrapper(cached.__wrapped__, plan)))
-    else:
-        return False
-    return True
+    return wrap_transform_plan(patcher, redistribute, _shard_to_partial_sum(redistribute))

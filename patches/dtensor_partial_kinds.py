@@ -30,8 +30,9 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (POINTWISE_MODULES, forget_shardings, operand_placements, partial_reduction,
-                                         placement_types, set_strategy, sharding_propagator, with_placements)
+from torchpatch.patches._dtensor import (POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings, operand_placements,
+                                         partial_reduction, placement_types, set_strategy, sharding_propagator,
+                                         with_placements, wrap_transform_plan)
 from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
@@ -44,7 +45,6 @@ PATCH = Patch(
     category="correctness",
 )
 
-REDISTRIBUTE_MODULES = ("torch.distributed._tensor._redistribute", "torch.distributed.tensor._redistribute")
 _UPSTREAM_MESSAGE = "Redistribution from one partial type"
 
 
@@ -79,18 +79,8 @@ def refuse_partial_conversions(patcher: Patcher, redistribute: ModuleType) -> bo
         return False
     if _UPSTREAM_MESSAGE in torch_source(redistribute):
         return False
-    cached = getattr(redistribute, "_gen_transform_infos", None)
-    if hasattr(redistribute, "_gen_transform_infos_non_cached"):  # 2.5+: called on a cache miss
-        patcher.wrap(redistribute, "_gen_transform_infos_non_cached", _refuse_in_plan)
-    elif hasattr(cached, "cache_clear") and hasattr(cached, "__wrapped__"):  # 2.4: an lru_cache of the plan
-        import functools
-
-        import wrapt
-
-        plan = wrapt.FunctionWrapper(cached.__wrapped__, _refuse_in_plan)
-        patcher.setattr(redistribute, "_gen_transform_infos", functools.lru_cache(maxsize=None)(plan))
-    else:  # no plan cached: checked on every redistribution
-        patcher.wrap(redistribute, "redistribute_local_tensor", _refuse_in_redistribution)
+    if not wrap_transform_plan(patcher, redistribute, _refuse_in_plan):  # no plan cached: checked on every
+        patcher.wrap(redistribute, "redistribute_local_tensor", _refuse_in_redistribution)  # redistribution
     return True
 
 
