@@ -6,7 +6,7 @@ Two ranks (gloo on loopback, one CPU thread each) run the same 2-stage GPipe wor
 stage of ``--layers`` ``Linear(hidden, hidden)`` + GELU blocks, ``--batch`` rows split into
 ``--microbatches``, MSE loss, ``zero_grad`` before every step. Side A is torch's ``PipelineStage``
 and ``ScheduleGPipe``; side B the same classes of torchpatch's backport, loaded straight from
-``patches/_pipelining_runtime/`` (no torchpatch install, no ``TORCHPATCH``), on the same torch.
+``patches/pipelining/_runtime/`` (no torchpatch install, no ``TORCHPATCH``), on the same torch.
 Both start from the same parameters; one step of each is compared first (losses and gradients
 must agree). Then ``--pairs`` rounds alternate the sides (A, B, then B, A, ...), each timing
 ``--steps`` steps between two barriers; the verdict is the throughput ratio B/A, the median wall
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
-RUNTIME = REPO / "patches" / "_pipelining_runtime"
+RUNTIME = REPO / "src" / "torchpatch" / "patches" / "pipelining" / "_runtime"
 RESULT = "PIPELINING-BENCH-RESULT "
 TARGET = 0.9
 WORKLOAD = ("pairs", "steps", "warmup", "hidden", "layers", "batch", "microbatches")  # passed to the ranks

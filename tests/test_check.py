@@ -18,7 +18,7 @@ from torchpatch._check.target import pick_version
 FIXTURES = HERE / "fixtures" / "check"
 TRAINER = FIXTURES / "trainer"
 CLEAN = FIXTURES / "clean"
-INVENTORY = REPO / "patches" / "_inventory"
+INVENTORY = REPO / "src" / "torchpatch" / "patches" / "_data" / "inventory"
 
 
 def check(*args, env=None, cwd=FIXTURES):
@@ -439,7 +439,7 @@ def test_check_never_imports_torch_in_its_own_process():
 def test_doctor_names_what_cannot_be_backported_to_this_torch():
     report = json.loads(subprocess.run([sys.executable, "-m", "torchpatch", "doctor", "--json"], capture_output=True,
                                        text=True, env=clean_env(), timeout=120).stdout)
-    table = json.loads((REPO / "patches" / "not_backportable.json").read_text())["entries"]
+    table = json.loads((REPO / "src" / "torchpatch" / "patches" / "_data" / "not_backportable.json").read_text())["entries"]
     named = {e["name"] for e in report["not_backportable"]}
     names = json.dumps([e["name"] for e in table])
     found = run_json(PROBE, args=[names], env=clean_env())

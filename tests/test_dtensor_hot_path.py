@@ -72,14 +72,14 @@ def test_an_op_makes_no_call_into_torchpatch(counted, op):
 # collective runs (funcol-autograd's Autograd kernels, 2.4-2.12; gloo's missing AVG, 2.4) and C++
 # dispatch's slow path (2.10+), each a few times a step; never a hook of every op.
 STEP_HOOKS = {
-    "patches/dtensor_stale_scalar_args.py:_live_scalars": "<2.9",
-    "patches/dtensor_inplace_placement_change.py:_refuse_self_redistribution": "<2.13",
-    "patches/funcol_autograd.py:_connected_wrap": "<2.13",
-    "patches/funcol_autograd.py:autograd_kernel": "<2.5",  # 2.4: the kernel that skips the Function without grad
-    "patches/funcol_autograd.py:setup_context": "<2.5",
-    "patches/funcol_autograd.py:_all_reduce_setup": "<2.5",
-    "patches/gloo_avg.py:_all_reduce": "<2.5",
-    "patches/dtensor_op_fallback.py:_local_results": ">=2.10",
+    "patches/dtensor/dtensor_stale_scalar_args.py:_live_scalars": "<2.9",
+    "patches/dtensor/dtensor_inplace_placement_change.py:_refuse_self_redistribution": "<2.13",
+    "patches/collectives/funcol_autograd.py:_connected_wrap": "<2.13",
+    "patches/collectives/funcol_autograd.py:autograd_kernel": "<2.5",  # 2.4: the kernel that skips the Function without grad
+    "patches/collectives/funcol_autograd.py:setup_context": "<2.5",
+    "patches/collectives/funcol_autograd.py:_all_reduce_setup": "<2.5",
+    "patches/collectives/gloo_avg.py:_all_reduce": "<2.5",
+    "patches/dtensor/dtensor_op_fallback.py:_local_results": ">=2.10",
 }
 
 
@@ -96,9 +96,9 @@ def test_a_redistribution_pays_only_for_differentiable_collectives(counted):
     the wait's, and the output's AsyncCollectiveTensor; on 2.4 the collective's own (torch 2.4's
     ``register_autograd`` would run its Function even when nothing needs grad: the patch's kernel
     does not). Nothing else is on the way."""
-    expected = {"patches/funcol_autograd.py:_wait_autograd", "patches/funcol_autograd.py:_connected_wrap"}
+    expected = {"patches/collectives/funcol_autograd.py:_wait_autograd", "patches/collectives/funcol_autograd.py:_connected_wrap"}
     if torch_matches("<2.5"):
-        expected.add("patches/funcol_autograd.py:autograd_kernel")
+        expected.add("patches/collectives/funcol_autograd.py:autograd_kernel")
     if torch_matches(">=2.13"):
         expected = set()
     assert set(counted["redistribute"]) <= expected, counted["redistribute"]

@@ -1,4 +1,4 @@
-"""The known silent-correctness bugs (``patches/silent_bugs.json``): the data holds together with the
+"""The known silent-correctness bugs (``patches/_data/silent_bugs.json``): the data holds together with the
 catalogue and the tests, and ``torchpatch doctor`` says of each bug of the installed torch whether this
 process's configuration fixes it."""
 

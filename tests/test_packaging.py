@@ -30,8 +30,8 @@ def test_tests_run_against_the_built_wheel_not_the_source_tree():
 
 
 def test_wheel_ships_engine_catalogue_and_start_up_hooks():
-    for path in ("torchpatch/__init__.py", "torchpatch/patches/__init__.py", "torchpatch/patches/torch_six.py",
-                 "torchpatch/patches/processgroup_deepcopy.py", "torchpatch/_bootstrap/sitecustomize.py",
+    for path in ("torchpatch/__init__.py", "torchpatch/patches/__init__.py", "torchpatch/patches/core/torch_six.py",
+                 "torchpatch/patches/collectives/processgroup_deepcopy.py", "torchpatch/_bootstrap/sitecustomize.py",
                  "torchpatch.pth", "torchpatch.start", "_torchpatch_startup.py"):
         assert path in FILES, path
     assert not any(f.startswith("patches/") for f in FILES)  # no top-level package that could collide

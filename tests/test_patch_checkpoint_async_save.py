@@ -60,7 +60,7 @@ def test_native_failure():
 @only_torch(">=2.0,<2.3")
 def test_served_synchronous_save(tmp_path):
     out = run_json(USE, env=clean_env(TORCHPATCH="1"), args=(str(tmp_path / "ckpt"),))
-    assert out["module"] == "torchpatch.patches.checkpoint_async_save" and out["status"] == "applied"
+    assert out["module"] == "torchpatch.patches.checkpoint.checkpoint_async_save" and out["status"] == "applied"
     assert out["future"] and out["done"] and out["metadata"] == "Metadata"
     assert out["keys"] == KEYS and out["restored"] and out["step"] == 7 and out["saver_same"]
 

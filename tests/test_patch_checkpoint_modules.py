@@ -170,7 +170,7 @@ def test_two_rank_save_load_resumes_identically(tmp_path):
     proc = run_ranks(script, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in rank_result(proc):
-        assert r["save"] == "torchpatch.patches.checkpoint_modules"
+        assert r["save"] == "torchpatch.patches.checkpoint.checkpoint_modules"
         assert r["differs_before"] and r["restored"] and r["n"] == 4 + 4 * 3  # 4 params + step/exp_avg/exp_avg_sq
         assert r["progress"] == {"step": 1}
         assert r["same_step"] and r["loss"] == r["ref_loss"]
@@ -187,7 +187,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
 dist.init_process_group("gloo", rank=0, world_size=1)
 from types import ModuleType
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torchpatch.patches import checkpoint_modules
+from torchpatch.patches.checkpoint import checkpoint_modules
 shim = ModuleType("shim")
 checkpoint_modules.build_state_dict(shim)
 

@@ -203,7 +203,7 @@ except ImportError:
 print(json.dumps(out))
 """
 
-SERVED_BY = "torchpatch.patches.checkpoint_policy"
+SERVED_BY = "torchpatch.patches.activation_checkpoint.checkpoint_policy"
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ else:
     out["errors_after"] = mixed_errors()
 
     if out["served_by"]:  # torch 2.1: the switch a later patch may hold on; contexts restore it
-        from torchpatch.patches.dtensor_experimental import replicate_plain_tensors
+        from torchpatch.patches.dtensor.dtensor_experimental import replicate_plain_tensors
         was = replicate_plain_tensors(True)
         try:
             with implicit_replication():
@@ -161,7 +161,7 @@ def test_served(tmp_path):
     assert out["module"] == "torch.distributed._tensor.experimental" and out["same_as_private"] is True
     if torch_matches("<2.2"):  # served by torchpatch, whose switch other patches may hold on
         assert out["served_by"] == "dtensor-experimental"
-        assert out["local_map_module"] == "torchpatch.patches.dtensor_experimental"
+        assert out["local_map_module"] == "torchpatch.patches.dtensor.dtensor_experimental"
         assert out["switch"][0] is False
         assert out["switch"][1] == [None, None]  # still on after leaving a context entered while on
         assert_mixed_errors(out["switch"][2])
@@ -188,7 +188,7 @@ def test_opt_out():
     out = run_json(
         """
         import json, sys, torch, torch.distributed._tensor
-        from torchpatch.patches.dtensor_experimental import _replicating_dispatch
+        from torchpatch.patches.dtensor.dtensor_experimental import _replicating_dispatch
         try:
             import torch.distributed.tensor.experimental
             error = None

@@ -142,7 +142,7 @@ def test_public_api_on_two_ranks(tmp_path):
         assert out["status"] == {}
     # Served where torch lacks them: DTensor.full_tensor before 2.2, randn (which says why it
     # cannot draw on a CPU mesh) before 2.3.
-    expect_module = "torchpatch.patches.dtensor_public" if torch_matches("<2.2") else "torch.distributed."
+    expect_module = "torchpatch.patches.dtensor.dtensor_public" if torch_matches("<2.2") else "torch.distributed."
     assert out["full_tensor_module"].startswith(expect_module)
     if torch_matches("<2.3"):
         assert "only has for CUDA-like device meshes, not 'cpu'" in out["random_errors"]["randn"][1]

@@ -87,7 +87,7 @@ def test_served_module_imports_and_functions_raise():
     assert out["all"] == sorted(["flex_attention", "create_block_mask", "create_mask", "and_masks", "or_masks",
                                  "BlockMask", "noop_mask"])
     assert out["signatures"] == ["Callable", 5, 6]  # 4 (5) tensor arguments and the return type
-    assert set(out["module_of"].values()) == {"torchpatch.patches.flex_attention_module"}
+    assert set(out["module_of"].values()) == {"torchpatch.patches.attention.flex_attention_module"}
     assert out["private_flex"] == "torch.nn.attention._flex_attention"
 
 

@@ -32,7 +32,7 @@ import json, os, warnings
 from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor  # as OpenDiT
 import torch, torch.distributed as dist
 import torch.distributed._functional_collectives as module
-from torchpatch.patches.functional_collectives import FUNCTIONS
+from torchpatch.patches.collectives.functional_collectives import FUNCTIONS
 
 warnings.simplefilter("ignore")  # torch 2.13 deprecates the *_tensor names in favour of *_single
 dist.init_process_group("gloo")
@@ -282,7 +282,7 @@ def test_native_functions_match_the_references(served_run):
 
 IDENTITY = """
 import inspect, json, torch, torch.distributed._functional_collectives as m, torchpatch
-from torchpatch.patches.functional_collectives import FUNCTIONS
+from torchpatch.patches.collectives.functional_collectives import FUNCTIONS
 def params(fn):
     return [[p.name, str(p.kind), repr(p.default)] for p in inspect.signature(fn).parameters.values()]
 print(json.dumps({"functions": {n: [getattr(m, n).__module__, getattr(m, n).__code__.co_filename,

@@ -37,7 +37,7 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 with open(os.environ["GLOO_EXIT_FLAGS"], "r+b") as f:
     flags = mmap.mmap(f.fileno(), 2)  # [0]: rank 0 posted; [1]: rank 0 has the result
-patch = sys.modules.get("torchpatch.patches.gloo_exit_abort")
+patch = sys.modules.get("torchpatch.patches.collectives.gloo_exit_abort")
 workers, deadline = None, time.monotonic() + 10
 while patch is not None and time.monotonic() < deadline:  # threads name themselves when first run
     workers = len(patch.worker_status_files())

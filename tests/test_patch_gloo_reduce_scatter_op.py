@@ -118,7 +118,7 @@ def test_reduce_scatter_reduces_with_its_op(tmp_path):
 
 PROBE = """
 import json, torch
-from torchpatch.patches.gloo_reduce_scatter_op import gloo_ignores_reduce_scatter_op
+from torchpatch.patches.collectives.gloo_reduce_scatter_op import gloo_ignores_reduce_scatter_op
 print(json.dumps({"ignores_op": gloo_ignores_reduce_scatter_op()}))
 """
 
@@ -133,7 +133,7 @@ def test_probe_tells_the_bug_by_behaviour(spec, ignores):
 
 NOT_ASKED = """
 import json, torch, torch.distributed as dist, torch.distributed._functional_collectives as funcol
-from torchpatch.patches import gloo_reduce_scatter_op as patch
+from torchpatch.patches.collectives import gloo_reduce_scatter_op as patch
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 o = torch.empty(2)
 dist.reduce_scatter_tensor(o, torch.ones(2))  # SUM: torch's own, nothing to ask

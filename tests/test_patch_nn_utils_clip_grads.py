@@ -123,7 +123,7 @@ def _check_definition(out: dict) -> None:
 @only_torch("<2.6")
 def test_served_matches_definition():
     out = _reference()
-    assert out["module"] == "torchpatch.patches.nn_utils_clip_grads" and out["status"] == "applied"
+    assert out["module"] == "torchpatch.patches.nn.nn_utils_clip_grads" and out["status"] == "applied"
     _check_definition(out)
 
 

@@ -202,7 +202,7 @@ def _check_cases(results: dict) -> None:
 @only_torch("<2.0")
 def test_backport_matches_definition_and_torch_213_math_backend():
     out = run_json(CASES, env=clean_env(TORCHPATCH="1"), args=(SDPA_JSON,))
-    assert out["sdpa"] == "torchpatch.patches.sdpa_backport" and out["status"] == "applied"
+    assert out["sdpa"] == "torchpatch.patches.attention.sdpa_backport" and out["status"] == "applied"
     _check_cases(out["results"])
 
 
@@ -218,7 +218,7 @@ def test_torch_213_meets_the_same_expectations():
 DIRECT = LOAD + """
 import sys, torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torchpatch.patches.sdpa_backport import scaled_dot_product_attention as backport
+from torchpatch.patches.attention.sdpa_backport import scaled_dot_product_attention as backport
 verdicts = {}
 for case in load(sys.argv[1]):
     if "error" in case:

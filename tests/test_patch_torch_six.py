@@ -50,7 +50,7 @@ def test_shim_matches_the_native_module():
     out = run_json(
         """
         import json, types, torch._six as native
-        from torchpatch.patches import torch_six
+        from torchpatch.patches.core import torch_six
         shim = types.ModuleType("shim")
         torch_six.build(shim)
         class M(type):

@@ -129,7 +129,7 @@ def test_native_import_error():
 @only_torch(">=2.1,<2.2")
 def test_served_and_equal_to_one_process(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
-    assert out["classes"] == ["torchpatch.patches.tp_prepare_module_io"] * 2
+    assert out["classes"] == ["torchpatch.patches.tensor_parallel.tp_prepare_module_io"] * 2
     assert out["status"] == "applied" and out["repr"] is not None
     check_semantics(out)
 

@@ -444,7 +444,7 @@ def test_cpu_mesh_untouched(tmp_path):
     native = rank_result(run_ranks(CPU_MESH, env=clean_env(), tmp_path=tmp_path))
     patched = rank_result(run_ranks(CPU_MESH, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path))
     assert patched["status"] == "applied"
-    assert patched["wrapped"] == "torchpatch.patches.xla_parallelize" and native["wrapped"] is None
+    assert patched["wrapped"] == "torchpatch.patches.tensor_parallel.xla_parallelize" and native["wrapped"] is None
     for key in ("returned_same", "params", "hooks", "out"):
         assert patched[key] == native[key], key
     assert native["returned_same"] and native["hooks"] == [2, 2, 0, 2]

@@ -8,7 +8,7 @@ import sys
 from conftest import REPO, TORCH, clean_env, run_json, torch_matches, torchpatch_command
 from torchpatch._registry import builtin_patches
 
-TABLE = json.loads((REPO / "patches" / "relocations.json").read_text())
+TABLE = json.loads((REPO / "src" / "torchpatch" / "patches" / "_data" / "relocations.json").read_text())
 HERE = [e for e in TABLE if torch_matches(e["torch"])]
 
 PROBE = """

@@ -1,6 +1,6 @@
 """Inventory the installed torch's distributed-facing modules and names, as data for torchpatch.
 
-    <venv>/bin/python tools/inventory.py            # writes patches/_inventory/torch-<version>.json.gz
+    <venv>/bin/python tools/inventory.py            # writes patches/_data/inventory/torch-<version>.json.gz
 
 Imports every module under the roots below (each in a try: a module that fails to import natively is
 recorded as failing, with its error) and records, per module, every attribute name (dunder names
@@ -39,7 +39,7 @@ SKIP_PARTS = ("tests", "testing", "benchmarks", "examples")
 MEMBER_ROOTS = ("torch.distributed",)
 # Bases whose (many) members are recorded once and referred to by classes that derive from them.
 BIG_BASES = ("torch.nn:Module", "torch:Tensor")
-OUT = Path(__file__).resolve().parent.parent / "patches" / "_inventory"
+OUT = Path(__file__).resolve().parent.parent / "src" / "torchpatch" / "patches" / "_data" / "inventory"
 
 
 def _describe(value: object) -> str:
@@ -159,7 +159,7 @@ def inventory() -> Dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="output file (default: patches/_inventory/torch-<version>.json.gz)")
+    parser.add_argument("--out", type=Path, help="output file (default: patches/_data/inventory/torch-<version>.json.gz)")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     data = inventory()

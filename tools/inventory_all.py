@@ -7,7 +7,7 @@
 Each venv is created under a temporary directory, gets torch (a CUDA build from the package index,
 3-5 GB, or a wheel pip finds locally), runs ``tools/inventory.py`` and is deleted. Releases newer than
 a machine's pip constraint are installed with pip's config files off (``PIP_CONFIG_FILE=/dev/null``).
-This is not part of CI: the inventories are committed data (``patches/_inventory``).
+This is not part of CI: the inventories are committed data (``patches/_data/inventory``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "patches" / "_inventory"
+OUT = ROOT / "src" / "torchpatch" / "patches" / "_data" / "inventory"
 # 1.13.1 and one release of every minor from 2.0 on; 2.9.0 is the matrix's (torch_xla's) release.
 VERSIONS = ["1.13.1", "2.0.1", "2.1.2", "2.2.2", "2.3.1", "2.4.1", "2.5.1", "2.6.0", "2.7.1", "2.8.0",
             "2.9.0", "2.9.1", "2.10.0", "2.11.0", "2.12.1", "2.13.0", "2.14.1", "2.15.0"]

@@ -1,6 +1,6 @@
 """Generate, from the patches' own metadata, the README's patch table, its table of known silent
-bugs (``patches/silent_bugs.json``) and the catalogue's index
-(``patches/_index.json``: each module's patch ids with their torch and Python specifiers, which lets
+bugs (``patches/_data/silent_bugs.json``) and the catalogue's index
+(``patches/_data/index.json``: each module's patch ids with their torch and Python specifiers, which lets
 activation import only the patch modules that can apply to the installed torch).
 
     python tools/patch_table.py            # print the table
@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 from torchpatch._known_bugs import known_bugs
-from torchpatch._registry import INDEX, _load, builtin_patches, catalogue_modules
+from torchpatch._registry import DATA, INDEX, _load, builtin_patches, catalogue_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-INDEX_FILE = ROOT / "patches" / INDEX
+INDEX_FILE = ROOT / "src" / "torchpatch" / "patches" / DATA / INDEX
 TABLES = {"patch-table": lambda: table(), "silent-bugs": lambda: bugs_table()}
 
 

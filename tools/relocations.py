@@ -1,8 +1,8 @@
 """Derive torchpatch's relocation table from the torch inventories (tools/inventory.py).
 
     python tools/relocations.py            # print the table
-    python tools/relocations.py --write    # write patches/relocations.json
-    python tools/relocations.py --check    # exit 1 if patches/relocations.json is out of date
+    python tools/relocations.py --write    # write patches/_data/relocations.json
+    python tools/relocations.py --check    # exit 1 if patches/_data/relocations.json is out of date
 
 A module that exists under one path in some matrix torches and is missing in others, where a module
 under a corresponding path (same package family, same last name up to a leading underscore) defines
@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
-INVENTORY = ROOT / "patches" / "_inventory"
-TABLE = ROOT / "patches" / "relocations.json"
+INVENTORY = ROOT / "src" / "torchpatch" / "patches" / "_data" / "inventory"
+TABLE = ROOT / "src" / "torchpatch" / "patches" / "_data" / "relocations.json"
 FAMILY = "torch.distributed."
 MIN_OVERLAP = 0.5
 
@@ -167,7 +167,7 @@ def main() -> int:
     text = json.dumps(derive(), indent=1) + "\n"
     if args.check:
         if not TABLE.exists() or TABLE.read_text() != text:
-            print("patches/relocations.json is out of date: run python tools/relocations.py --write", file=sys.stderr)
+            print("patches/_data/relocations.json is out of date: run python tools/relocations.py --write", file=sys.stderr)
             return 1
         return 0
     if args.write:

@@ -148,7 +148,7 @@ def _untested(torch: Optional[str], newest: str, plans: List[PatchPlan]) -> List
 
 
 def _not_backportable(torch: Optional[str], patches: Sequence[Patch] = (), cfg: Optional[Config] = None) -> List[Dict[str, str]]:
-    """Features this torch lacks that torchpatch cannot serve (patches/not_backportable.json), less
+    """Features this torch lacks that torchpatch cannot serve (patches/_data/not_backportable.json), less
     those a catalogue patch serves on this torch (switched on or not)."""
     from ._check import not_backportable
     from ._check.serving import Serving

@@ -1,6 +1,6 @@
 """Known silent-correctness bugs of torch releases, and whether this process fixes them.
 
-The bugs are catalogue data (``patches/silent_bugs.json``): each entry names the torch versions it
+The bugs are catalogue data (``patches/_data/silent_bugs.json``): each entry names the torch versions it
 affects, the upstream fix, and the catalogue patch that fixes it or why none can. ``torchpatch
 doctor`` lists those of the installed torch with their state under the process's ``TORCHPATCH*``
 variables.
@@ -15,16 +15,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import _versions
 from ._manager import PatchPlan
+from ._registry import catalogue_data
 
 FILE = "silent_bugs.json"
 
 
 @functools.lru_cache(maxsize=None)
 def known_bugs() -> List[Dict[str, Any]]:
-    """Every entry of ``patches/silent_bugs.json``."""
-    from . import patches
-
-    data = json.loads((Path(patches.__file__).resolve().parent / FILE).read_text())
+    """Every entry of ``patches/_data/silent_bugs.json``."""
+    data = json.loads((Path(catalogue_data()) / FILE).read_text())
     return list(data["entries"])
 
 

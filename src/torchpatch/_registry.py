@@ -14,7 +14,8 @@ from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 from ._patch import Patch
 
 ENTRY_POINT_GROUP = "torchpatch.patches"
-INDEX = "_index.json"  # in the catalogue: module -> {patch id: [torch specifier, python specifier]}
+DATA = "_data"  # the catalogue's data folder: the index, inventories, relocations, known bugs
+INDEX = "index.json"  # in the catalogue's data: module -> {patch id: [torch specifier, python specifier]}
 log = logging.getLogger("torchpatch")
 
 
@@ -35,10 +36,14 @@ def _patches_in(obj: object) -> List[Patch]:
 
 
 def catalogue_modules() -> List[str]:
-    """The names of the catalogue's patch modules (``torchpatch.patches.<name>``), sorted."""
+    """The names of the catalogue's patch modules, ``<subsystem>.<module>`` under ``torchpatch.patches``
+    (one folder per torch subsystem; ``_``-prefixed folders and modules are helpers and data), sorted."""
     from . import patches as catalogue
 
-    return sorted(m.name for m in pkgutil.iter_modules(catalogue.__path__) if not m.name.startswith("_"))
+    return sorted(f"{folder.name}.{m.name}" for folder in pkgutil.iter_modules(catalogue.__path__)
+                  if folder.ispkg and not folder.name.startswith("_")
+                  for m in pkgutil.iter_modules([os.path.join(catalogue.__path__[0], folder.name)])
+                  if not m.ispkg and not m.name.startswith("_"))
 
 
 def _load(names: Iterable[str]) -> List[Patch]:
@@ -50,13 +55,18 @@ def builtin_patches() -> List[Patch]:
     return _load(catalogue_modules())
 
 
+def catalogue_data() -> str:
+    """The folder of the catalogue's data (``torchpatch/patches/_data``)."""
+    from . import patches as catalogue
+
+    return os.path.join(catalogue.__path__[0], DATA)
+
+
 def catalogue_index() -> Dict[str, Dict[str, List[str]]]:
     """Module name -> {patch id: [torch specifier, python specifier]}, as ``tools/patch_table.py
     --write`` recorded it from the modules (a test keeps the two in step); empty if absent."""
-    from . import patches as catalogue
-
     try:
-        with open(os.path.join(catalogue.__path__[0], INDEX), encoding="utf-8") as f:
+        with open(os.path.join(catalogue_data(), INDEX), encoding="utf-8") as f:
             return json.load(f)
     except OSError:
         return {}

@@ -6,10 +6,10 @@ Every ``.py`` file is parsed (never executed). The scan collects each torch name
 the calls of torch classes, together with the import guards around them, and resolves each on the
 target torch: natively, through a patch of the catalogue (its module shims, aliases and symbols,
 as data), or not at all. Nothing here knows particular torch APIs: what factories return is catalogue
-data (``patches/factories.json``), what exists comes from the inventories in ``patches/_inventory``
+data (``patches/_data/factories.json``), what exists comes from the inventories in ``patches/_data/inventory``
 (``tools/inventory.py``) or, for the installed torch, from a helper interpreter that imports torch
 once; what torchpatch serves comes from the patches' declarations; features that cannot be
-backported from ``patches/not_backportable.json``.
+backported from ``patches/_data/not_backportable.json``.
 
 One job per module: :mod:`.inventory` (the inventories), :mod:`.helper` (the helper program) and
 :mod:`.live` (talking to it), :mod:`.serving` and :mod:`.resolve` (names), :mod:`.factories`,

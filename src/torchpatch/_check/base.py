@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .._registry import catalogue_data
+
 ROOT = "torch"
 OPS = "torch.ops"
 # What a view says about ``module.name``; what a resolver says about a whole name.
@@ -36,14 +38,13 @@ class Result:
 
 
 def catalogue_dir() -> Path:
-    from .. import patches
-
-    return Path(patches.__file__).resolve().parent
+    """The catalogue's data folder."""
+    return Path(catalogue_data())
 
 
 @functools.lru_cache(maxsize=None)
 def not_backportable() -> List[Dict[str, str]]:
-    """The entries of ``patches/not_backportable.json``: features torchpatch cannot serve."""
+    """The entries of ``patches/_data/not_backportable.json``: features torchpatch cannot serve."""
     data = json.loads((catalogue_dir() / "not_backportable.json").read_text())
     return list(data["entries"])
 

@@ -1,4 +1,4 @@
-"""What torch's factories return (``patches/factories.json``, catalogue data: the engine itself knows no
+"""What torch's factories return (``patches/_data/factories.json``, catalogue data: the engine itself knows no
 torch API): the table that lets ``torchpatch check`` know the torch class of a value the code makes,
 so that the members it uses on that value can be checked. The file's ``_doc`` says how keys read.
 """

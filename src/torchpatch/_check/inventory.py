@@ -1,5 +1,5 @@
 """What exists on an inventoried torch: the files ``tools/inventory.py`` writes to
-``patches/_inventory`` (modules and their names, failing imports, members of torch.distributed's
+``patches/_data/inventory`` (modules and their names, failing imports, members of torch.distributed's
 classes), and the view that answers the resolver's questions from one of them."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from .base import ATTR, MISSING, MODULE, UNKNOWN, Lookup, catalogue_dir
 
 def inventory_files() -> Dict[str, Path]:
     """Inventoried torch versions (release strings) and their files, oldest first."""
-    found = {p.name[len("torch-"):-len(".json.gz")]: p for p in (catalogue_dir() / "_inventory").glob("torch-*.json.gz")}
+    found = {p.name[len("torch-"):-len(".json.gz")]: p for p in (catalogue_dir() / "inventory").glob("torch-*.json.gz")}
     return dict(sorted(found.items(), key=lambda kv: _versions.release(kv[0]) or ()))
 
 

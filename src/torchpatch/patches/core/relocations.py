@@ -5,7 +5,7 @@ What breaks:   code written for one torch imports a distributed module by the pa
                ``torch.distributed.tensor._ops._view_ops``), ``torch.distributed.tensor._redistribute``
                on 2.4 (then ``torch.distributed._tensor._redistribute``), ... and dies with
                ``ModuleNotFoundError``.
-Torch:         2.1 and later; each entry of ``relocations.json`` names the versions it applies to.
+Torch:         2.1 and later; each entry of ``_data/relocations.json`` names the versions it applies to.
 Fix:           where a path is missing and its counterpart exists, serve the very same module
                object under the missing path. The table is derived from inventories of every
                matrix torch (tools/inventory.py, tools/relocations.py): an entry is a relocation
@@ -30,7 +30,7 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/133881",
 )
 
-TABLE = json.loads((Path(__file__).with_name("relocations.json")).read_text())
+TABLE = json.loads((Path(__file__).parent.parent / "_data" / "relocations.json").read_text())
 
 for _entry in TABLE:
     if _entry["alias"]:

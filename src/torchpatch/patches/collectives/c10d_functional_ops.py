@@ -110,7 +110,7 @@ def _check_group_size(op: str, group_size: int, pg: "ProcessGroup") -> None:
 
 # -- kernels (CompositeExplicitAutograd) ------------------------------------------------------------
 def all_reduce(input: "torch.Tensor", reduce_op: str, group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _all_reduce
+    from torchpatch.patches.collectives.functional_collectives import _all_reduce
 
     _check_reduce_op(reduce_op)
     return _all_reduce(input, reduce_op, resolve_group(group_name))
@@ -129,7 +129,7 @@ def all_reduce_coalesced_(inputs: List["torch.Tensor"], reduce_op: str, group_na
 
 
 def all_gather_into_tensor(input: "torch.Tensor", group_size: int, group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _all_gather
+    from torchpatch.patches.collectives.functional_collectives import _all_gather
 
     pg = resolve_group(group_name)
     _check_group_size("all_gather_into_tensor", group_size, pg)
@@ -152,7 +152,7 @@ def all_gather_into_tensor_coalesced(inputs: List["torch.Tensor"], group_size: i
 
 def reduce_scatter_tensor(input: "torch.Tensor", reduce_op: str, group_size: int,
                           group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _reduce_scatter
+    from torchpatch.patches.collectives.functional_collectives import _reduce_scatter
 
     _check_reduce_op(reduce_op)
     pg = resolve_group(group_name)
@@ -170,13 +170,13 @@ def reduce_scatter_tensor_coalesced(inputs: List["torch.Tensor"], reduce_op: str
 
 def all_to_all_single(input: "torch.Tensor", output_split_sizes: List[int], input_split_sizes: List[int],
                       group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _all_to_all
+    from torchpatch.patches.collectives.functional_collectives import _all_to_all
 
     return _all_to_all(input, list(output_split_sizes), list(input_split_sizes), resolve_group(group_name))
 
 
 def broadcast(input: "torch.Tensor", src: int, group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _broadcast
+    from torchpatch.patches.collectives.functional_collectives import _broadcast
 
     return _broadcast(input, src, resolve_group(group_name))
 
@@ -205,14 +205,14 @@ def _below_autograd(name: str, *args: Any) -> "torch.Tensor":
 
 
 def all_reduce_autograd(input: "torch.Tensor", reduce_op: str, group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _apply, _sum_only
+    from torchpatch.patches.collectives.functional_collectives import _apply, _sum_only
 
     return _apply(input, lambda t: _below_autograd("all_reduce", t, reduce_op, group_name),
                   _sum_only("all_reduce", reduce_op, lambda g: _op("all_reduce")(g, "sum", group_name)))
 
 
 def all_gather_into_tensor_autograd(input: "torch.Tensor", group_size: int, group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _apply
+    from torchpatch.patches.collectives.functional_collectives import _apply
 
     return _apply(input, lambda t: _below_autograd("all_gather_into_tensor", t, group_size, group_name),
                   lambda g: _op("reduce_scatter_tensor")(g, "sum", group_size, group_name))
@@ -220,7 +220,7 @@ def all_gather_into_tensor_autograd(input: "torch.Tensor", group_size: int, grou
 
 def reduce_scatter_tensor_autograd(input: "torch.Tensor", reduce_op: str, group_size: int,
                                    group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _apply, _sum_only
+    from torchpatch.patches.collectives.functional_collectives import _apply, _sum_only
 
     return _apply(input, lambda t: _below_autograd("reduce_scatter_tensor", t, reduce_op, group_size, group_name),
                   _sum_only("reduce_scatter_tensor", reduce_op,
@@ -229,7 +229,7 @@ def reduce_scatter_tensor_autograd(input: "torch.Tensor", reduce_op: str, group_
 
 def all_to_all_single_autograd(input: "torch.Tensor", output_split_sizes: List[int], input_split_sizes: List[int],
                                group_name: str) -> "torch.Tensor":
-    from torchpatch.patches.functional_collectives import _apply
+    from torchpatch.patches.collectives.functional_collectives import _apply
 
     out_splits, in_splits = list(output_split_sizes), list(input_split_sizes)
     return _apply(input, lambda t: _below_autograd("all_to_all_single", t, out_splits, in_splits, group_name),

@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import DISPATCH_MODULES, route_sharding_cache
+from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, route_sharding_cache
 
 PATCH = Patch(
     id="dtensor-empty-shard-reduction",

@@ -49,7 +49,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import forget_shardings, set_strategy, sharding_propagator
+from torchpatch.patches.dtensor._internals import forget_shardings, set_strategy, sharding_propagator
 from torchpatch.patches._source import torch_source
 
 PATCH = Patch(

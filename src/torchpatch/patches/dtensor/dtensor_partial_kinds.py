@@ -30,7 +30,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings, operand_placements,
+from torchpatch.patches.dtensor._internals import (POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings, operand_placements,
                                          partial_reduction, placement_types, set_strategy, sharding_propagator,
                                          with_placements, wrap_transform_plan)
 from torchpatch.patches._source import torch_source

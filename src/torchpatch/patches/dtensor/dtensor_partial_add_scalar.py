@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import POINTWISE_MODULES
+from torchpatch.patches.dtensor._internals import POINTWISE_MODULES
 from torchpatch.patches._source import torch_source
 
 PATCH = Patch(

@@ -40,8 +40,8 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import DISPATCH_MODULES, dtensor_type, placement_types
-from torchpatch.patches._dtensor import route_sharding_cache as _route_cache
+from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, dtensor_type, placement_types
+from torchpatch.patches.dtensor._internals import route_sharding_cache as _route_cache
 
 PATCH = Patch(
     id="dtensor-op-fallback",

@@ -7,7 +7,7 @@ What breaks:   torchtitan (early 2025) seeds DTensor's random ops in ``set_deter
                'torch.distributed.tensor' has no attribute '_random'`` (and
                ``import torch.distributed.tensor._random`` with ``ModuleNotFoundError``).
 Torch:         2.1–2.4 keep the module as ``torch.distributed._tensor.random``. It is not a mere
-               relocation (``patches/relocations.json`` lists it with ``"alias": false``): the RNG
+               relocation (``patches/_data/relocations.json`` lists it with ``"alias": false``): the RNG
                tracker's constructor changed, and ``manual_seed`` changed meaning. The old one
                all-gathers the seed over the default group and raises unless every rank passes the
                same seed, and fails on a CPU mesh (2.1: ``NotImplementedError``; 2.4:

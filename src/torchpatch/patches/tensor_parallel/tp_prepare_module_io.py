@@ -80,7 +80,7 @@ def _prepare(value: Any, mesh: Any, layout: Any, desired: Any, use_local: bool) 
     if desired is not None and desired != layout:
         value = value.redistribute(value.device_mesh, (desired,))
     if use_local:  # to_local, waited: 2.1's would hand on an AsyncCollectiveTensor where 2.4+ has waited
-        from torchpatch.patches.dtensor_public import _to_local_waited
+        from torchpatch.patches.dtensor.dtensor_public import _to_local_waited
 
         return _to_local_waited().apply(value, None)
     return value

@@ -25,7 +25,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import DISPATCH_MODULES
+from torchpatch.patches.dtensor._internals import DISPATCH_MODULES
 
 PATCH = Patch(
     id="dtensor-stale-scalar-args",

@@ -55,7 +55,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import (DISPATCH_MODULES, POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings,
+from torchpatch.patches.dtensor._internals import (DISPATCH_MODULES, POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings,
                                          operand_placements, partial_reduction, placement_types, set_strategy,
                                          sharding_propagator, with_placements, wrap_transform_plan)
 

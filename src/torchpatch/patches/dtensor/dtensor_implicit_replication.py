@@ -41,7 +41,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches._dtensor import DISPATCH_MODULES, dtensor_type
+from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, dtensor_type
 
 PATCH = Patch(
     id="dtensor-implicit-replication",
@@ -98,7 +98,7 @@ def _operator_dispatch_21(wrapped: Callable[..., Any], instance: Any, args: Tupl
                           kwargs: Dict[str, Any]) -> Any:
     from torch.distributed._tensor.api import DTensor
 
-    from torchpatch.patches import dtensor_experimental as experimental
+    from torchpatch.patches.dtensor import dtensor_experimental as experimental
 
     if experimental._replicate:  # inside an explicit implicit_replication(): torch's semantics
         return wrapped(*args, **kwargs)
@@ -115,7 +115,7 @@ def _operator_dispatch_21(wrapped: Callable[..., Any], instance: Any, args: Tupl
 def replicate_in_dispatch_21(patcher: Patcher, dispatch: ModuleType) -> bool:
     if not hasattr(dispatch, "_operator_dispatch") or hasattr(dispatch, "OpDispatcher"):
         return False
-    from torchpatch.patches import dtensor_experimental as experimental
+    from torchpatch.patches.dtensor import dtensor_experimental as experimental
 
     if not experimental._dispatch_taught():
         raise RuntimeError("torch 2.1's DTensor dispatch lacks dtensor-experimental's replication, "

@@ -1,0 +1,1 @@
+"""Activation checkpointing: ``torch.utils.checkpoint`` (selective activation checkpointing, SAC)."""

@@ -1,0 +1,1 @@
+"""Distributed checkpoint (DCP): ``torch.distributed.checkpoint``."""

@@ -1,0 +1,1 @@
+"""``torch.distributed.device_mesh`` (``DeviceMesh``, ``init_device_mesh``)."""

@@ -1,0 +1,1 @@
+"""DTensor: ``torch.distributed.tensor`` (placements, sharding propagation, redistribution, random)."""

@@ -1,0 +1,1 @@
+"""FSDP: ``torch.distributed.fsdp`` (FSDP1) and FSDP2 (``fully_shard``)."""

@@ -1,0 +1,1 @@
+"""Pipeline parallel: ``torch.distributed.pipelining`` (stages, schedules, their runtime)."""

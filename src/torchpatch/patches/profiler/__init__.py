@@ -1,0 +1,1 @@
+"""``torch.profiler`` and ``torch.autograd.profiler``."""

@@ -1,0 +1,1 @@
+"""Tensor parallel: ``torch.distributed.tensor.parallel`` (``parallelize_module`` and its styles)."""

@@ -1,0 +1,1 @@
+"""The launcher: ``torchrun`` (``torch.distributed.run``, ``torch.distributed.elastic``)."""
