@@ -128,7 +128,7 @@ if rank == 0:
 
 SERVED_LIBS = "{'backport': __import__('torch.distributed.pipelining', fromlist=['x'])}"
 BOTH_LIBS = ("{'native': __import__('torch.distributed.pipelining', fromlist=['x']), "
-             "'backport': __import__('torchpatch.patches.pipelining.pipelining._runtime', fromlist=['x'])}")
+             "'backport': __import__('torchpatch.patches.pipelining._runtime', fromlist=['x'])}")
 
 
 def equality_run(tmp_path: Path, nproc: int, configs: list, libs: str, env: dict) -> List[dict]:

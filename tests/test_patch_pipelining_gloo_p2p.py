@@ -133,7 +133,7 @@ def run_schedules(tmp_path):
 def test_schedules_on_gloo_match_one_process(tmp_path):
     ranks = run_schedules(tmp_path)
     assert [r["status"] for r in ranks] == ["applied"] * 2
-    assert [r["batch_p2p"] for r in ranks] == ["torchpatch.patches.pipelining.pipelining.pipelining_gloo_p2p"] * 2
+    assert [r["batch_p2p"] for r in ranks] == ["torchpatch.patches.pipelining.pipelining_gloo_p2p"] * 2
 
 
 @only_torch(">=2.8", "the reference: torch's own _batch_p2p, which waits for every work")

@@ -41,7 +41,7 @@ def test_lookup_by_name():
     out = run_json(LOOKUP, env=clean_env(TORCHPATCH="1"))
     o = out["outcomes"]
     assert out["gpipe_is_class"] and out["1f1b_is_class"] and out["multi_is_class"]
-    assert out["module"] == "torchpatch.patches.pipelining.pipelining.pipelining_schedules" and out["status"] == "applied"
+    assert out["module"] == "torchpatch.patches.pipelining.pipelining_schedules" and out["status"] == "applied"
     assert o["gpipe"] == o["GPipe"] == o["GPIPE"] == "ScheduleGPipe"
     assert o["1f1b"] == o["1F1B"] == "Schedule1F1B"
     assert o["interleaved1f1b"] == "ScheduleInterleaved1F1B"
@@ -68,7 +68,7 @@ def test_inactive_and_same_semantics_as_native():
         import json, torch, torchpatch
         from torch.distributed.pipelining import schedules
         from torch.distributed.pipelining.schedules import get_schedule_class as native
-        from torchpatch.patches.pipelining.pipelining.pipelining_schedules import SCHEDULE_NAMES, make_get_schedule_class
+        from torchpatch.patches.pipelining.pipelining_schedules import SCHEDULE_NAMES, make_get_schedule_class
         shim = make_get_schedule_class(schedules, torch.__version__)
 
         def outcome(fn, name):

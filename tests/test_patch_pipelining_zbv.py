@@ -135,7 +135,7 @@ def test_zbv_and_csv_runtime_match_one_process(tmp_path, nproc):
 
 ORDER = """
 import json, sys, types
-from torchpatch.patches.pipelining.pipelining.pipelining_zbv import zbv_order
+from torchpatch.patches.pipelining.pipelining_zbv import zbv_order
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 
 def native(rank, W, n):

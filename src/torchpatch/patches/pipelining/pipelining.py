@@ -8,7 +8,7 @@ What breaks:   torchtitan (mid 2024 and later) imports the package at module loa
 Torch:         2.1–2.3 (2.4 brought the package; ``get_schedule_class`` came with 2.5, for 2.4 the
                ``pipelining-schedules`` patch serves it). Nothing is served from 2.4 on.
 Fix:           serve the package and its submodules ``schedules``, ``stage`` and ``microbatch``,
-               backed by :mod:`torchpatch.patches.pipelining.pipelining._runtime`:
+               backed by :mod:`torchpatch.patches.pipelining._runtime`:
                - ``PipelineStage(submodule, stage_index, num_stages, device, input_args=None,
                  output_args=None, group=None)``: stage ``i`` on rank ``i % group size``; shapes are
                  learnt at the first step (the first activation carries them) and checked against
@@ -64,7 +64,7 @@ TOP = ("Pipe", "pipe_split", "SplitPoint", "pipeline", "PipelineStage", "build_s
 
 
 def _fill(module: ModuleType, names: tuple) -> None:
-    from torchpatch.patches.pipelining.pipelining.pipelining import _runtime as runtime
+    from torchpatch.patches.pipelining import _runtime as runtime
 
     for name in names:
         setattr(module, name, getattr(runtime, name))
@@ -98,7 +98,7 @@ def build_stage(module: ModuleType) -> None:
 def build_schedules(module: ModuleType) -> None:
     import torch
 
-    from torchpatch.patches.pipelining.pipelining.pipelining_schedules import make_get_schedule_class
+    from torchpatch.patches.pipelining.pipelining_schedules import make_get_schedule_class
 
     _fill(module, SCHEDULES)
     module.get_schedule_class = make_get_schedule_class(module, torch.__version__)
