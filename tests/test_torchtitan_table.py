@@ -1,4 +1,4 @@
-"""tools/torchtitan_table.py without torchtitan: the README table of the releases it ran replaces only
+"""tools/torchtitan_table.py without torchtitan: the docs' table of the releases it ran replaces only
 those releases' rows (a release is trained again without training the others)."""
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ def _result(release: str, torches, error: str = "") -> dict:
 
 
 def test_write_replaces_only_the_rows_of_the_releases_it_ran(tmp_path, monkeypatch):
-    readme = tmp_path / "README.md"
+    page = tmp_path / "torchtitan.md"
     first = table.markdown([_result("0.1.0", ["2.4.1", "2.15.0"]), _result("0.2.2", ["2.14.1", "2.15.0"]),
                             _result("0.10.0", ["2.15.0"])])
-    readme.write_text(f"intro\n{table.MARKERS[0]}\nstale\n{table.MARKERS[1]}\noutro\n")
-    monkeypatch.setattr(table, "README", readme)
-    table.write_readme(first)
-    assert readme.read_text() == f"intro\n{table.MARKERS[0]}\n{first}\n{table.MARKERS[1]}\noutro\n"
+    page.write_text(f"intro\n{table.MARKERS[0]}\nstale\n{table.MARKERS[1]}\noutro\n")
+    monkeypatch.setattr(table, "PAGE", page)
+    table.write_page(first)
+    assert page.read_text() == f"intro\n{table.MARKERS[0]}\n{first}\n{table.MARKERS[1]}\noutro\n"
 
     again = table.markdown([_result("0.2.2", ["2.13.0", "2.14.1", "2.15.0"], error="RuntimeError: y")])
-    table.write_readme(again)
-    rows = readme.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    table.write_page(again)
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
     assert rows[:2] == first.splitlines()[:2]
     releases = [(r.split("|")[1].strip(), r.split("|")[2].split()[0]) for r in rows[2:]]
     assert releases == [("0.1.0", "2.4.1"), ("0.1.0", "2.4.1"), ("0.1.0", "2.15.0"),

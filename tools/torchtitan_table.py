@@ -15,8 +15,8 @@ reference: its runs are native (TORCHPATCH unset); where a native run fails, the
 with TORCHPATCH=1 and one process on the same torch is the reference. Each torch also runs its FSDP configuration with
 TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
 checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
-the README between its torchtitan-table markers, replacing the rows of the releases it ran and keeping
-the others.
+``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the releases it ran
+and keeping the others.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from packaging.version import Version
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "torchtitan_cpu.py"
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "torchtitan.md"  # the docs page that holds the table
 MARKERS = ("<!-- torchtitan-table:start -->", "<!-- torchtitan-table:end -->")
 PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac")
 RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
@@ -157,7 +157,7 @@ def _cell(run: dict) -> str:
 
 
 def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
-    """The README table: one row per release x torch."""
+    """The table: one row per release x torch."""
     lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels) + " | DCP save + resume |",
              "|---|---|---|" + "---|" * len(parallels) + "---|"]
     for r in results:
@@ -176,16 +176,16 @@ def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
     return "\n".join(lines)
 
 
-def write_readme(table: str) -> None:
-    """Put the table into the README; the rows of releases this table does not hold stay (a release is
+def write_page(table: str) -> None:
+    """Put the table into its docs page; the rows of releases this table does not hold stay (a release is
     trained again without training the others), in release order."""
-    text = README.read_text()
+    text = PAGE.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
     header, rows = table.splitlines()[:2], table.splitlines()[2:]
     ran = {_row_release(row) for row in rows}
     kept = [row for row in text[start:end].strip().splitlines()[2:] if _row_release(row) not in ran]
     rows = sorted(kept + rows, key=lambda row: Version(_row_release(row)))  # stable: torch order kept
-    README.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
+    PAGE.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
 
 
 def _row_release(row: str) -> str:
@@ -210,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="a torchtitan release installed with pip install --no-deps --target DIR")
     parser.add_argument("--parallel", action="append", choices=PARALLELS, help="default: all")
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
-    parser.add_argument("--write", action="store_true", help="write the table into README.md")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/torchtitan.md")
     parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
     parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
     args = parser.parse_args(argv)
@@ -218,7 +218,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         table = markdown(json.loads(Path(args.from_json).read_text()), args.parallel or PARALLELS)
         print(table)
         if args.write:
-            write_readme(table)
+            write_page(table)
         return 0
     if not args.torch or not args.release:
         parser.error("--torch and --release are needed (or --from-json)")
@@ -230,7 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write:
-        write_readme(table)
+        write_page(table)
     return 0
 
 
