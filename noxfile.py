@@ -1,6 +1,7 @@
-"""Test sessions: the quick suite on the default torch, and the torch version matrix.
+"""Test sessions: the quick suite on the default torch, and the torch version matrix; and the manual.
 
     nox -s tests          # torch 2.13.0 (CPU), the README's test command
+    nox -s docs           # the manual (docs/, mkdocs.yml): mkdocs build --strict, a broken link fails it
     nox -t matrix         # torch 1.13.1, 2.1.2, 2.4.1, 2.9.0 (+ torch_xla 2.9.0), 2.14.1, 2.15.0,
                           # with torchtitan's releases where CI tries them (tests/test_torchtitan.py),
                           # and torchtitan's newer releases on torch 2.13.0 (the torchtitan-on-2.13 session),
@@ -79,6 +80,9 @@ TORCHTITAN_NO_DEPS = ["torchdata", "spmd_types==0.2.3", "torch_checkpointing"]
 # shared-memory op at the first init_distributed (about a minute), into TORCH_EXTENSIONS_DIR, which
 # the session keeps in its venv.
 LAUNCHERS = ["ray[train]==2.60.0", "accelerate==1.15.0", "deepspeed==0.19.8"]
+
+# The manual's builder, pinned: mkdocs with the Material theme (the docs session).
+DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2"]
 
 # Two pytest-xdist workers, a test file each at a time (its module fixtures computed once): most tests
 # wait on the subprocesses they start (ranks, fresh interpreters), which one worker leaves a core idle for.
@@ -170,3 +174,11 @@ def launchers(session: nox.Session) -> None:
     which fails (instead of skipping) where one is missing."""
     env = {"LAUNCHERS_REQUIRED": "1", "TORCH_EXTENSIONS_DIR": os.path.join(session.virtualenv.location, "torch_extensions")}
     _run_suite(session, DEFAULT_TORCH, extra=tuple(LAUNCHERS), tests=("tests/test_launchers.py",), env=env)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the manual with ``mkdocs build --strict`` into a throw-away folder: a link to a missing page,
+    file or anchor, or a page left out of the nav, fails it (the validation settings of mkdocs.yml)."""
+    session.install(*DOCS)
+    session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp(), env={"NO_MKDOCS_2_WARNING": "1"})
