@@ -1,6 +1,6 @@
 """Train torchtitan's debug model with the installed torchtitan's own trainer, on CPU with gloo.
 
-    pip install --no-deps torchtitan==0.1.0      # plus its light dependencies (see the README)
+    pip install --no-deps torchtitan==0.1.0      # plus its light dependencies (docs/torchtitan.md)
     python examples/torchtitan_cpu.py --make-seed-checkpoint /tmp/seed
     TORCHPATCH=1 torchrun --nproc_per_node 2 examples/torchtitan_cpu.py --parallel fsdp --steps 5 --seed-checkpoint /tmp/seed
 

@@ -7,8 +7,8 @@ compared with the same computation on full tensors in the rank.
 The corpus holds torch 2.15.0's outcome of each program (right, or its error's type); no value is
 stored. With ``TORCHPATCH=1`` every torch from 2.4 must give a right value wherever 2.15.0 does, never
 a wrong one, and never fail on one rank only; the 2.15.0 session checks that the corpus still says
-what 2.15.0 does. A long run, by category, is ``tools/dtensor_fuzz.py compare`` (README, "Silent
-wrong results")."""
+what 2.15.0 does. A long run, by category, is ``tools/dtensor_fuzz.py compare`` (docs/silent-bugs.md,
+"Silent wrong results")."""
 
 import subprocess
 import sys

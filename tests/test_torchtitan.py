@@ -48,7 +48,7 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.3.0", "==2.13.*"): ("pp",),  # 0.3.0's FSDP needs 2.14's spmd_types support in FSDP2
 }
 # release -> the losses of torch 2.15.0's native run (TORCHPATCH unset) from the seed checkpoint, the newest
-# torch's run the README's table compares with: its fsdp, tp, pp and fsdp+tp+sac runs and its one process
+# torch's run the docs' torchtitan table compares with: its fsdp, tp, pp and fsdp+tp+sac runs and its one process
 # agree to 1e-7, so one list serves every parallelism, and every training run here is also held to it
 # (the seed checkpoint each session makes on its own torch is the same). Recorded with
 # ``python tools/torchtitan_table.py --torch 2.15.0=PYTHON --release R=DIR --json F`` (its runs' "losses");
@@ -165,7 +165,7 @@ def test_trains_like_one_process(seeds, release, parallel):
     # sum microbatch gradients where 2.7+ average them, which AdamW's normalisation all but cancels
     assert table.max_rel_diff(losses, reference) <= table.TOLERANCE, (losses, reference)
     assert losses[-1] < losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {losses}"
-    if release in NEWEST_NATIVE:  # and the newest torch's native run (the README's table's reference)
+    if release in NEWEST_NATIVE:  # and the newest torch's native run (the docs' torchtitan table's reference)
         newest = NEWEST_NATIVE[release]
         assert table.max_rel_diff(losses, newest) <= table.TOLERANCE, (losses, newest)
 

@@ -12,7 +12,7 @@ tensors, natively, with ``TORCHPATCH=1``, and on the newest torch (the oracle).
     # programs one by one, with their errors' words
     python tools/dtensor_fuzz.py run --python VENV/bin/python --start 167 --count 1 [--torchpatch]
 
-The rule (README, "Silent wrong results"): with TORCHPATCH=1 a program gives what torch 2.15.0
+The rule (docs/silent-bugs.md): with TORCHPATCH=1 a program gives what torch 2.15.0
 gives: its value where 2.15.0 computes one, an error only where 2.15.0 raises. Breaking it (``BAD``):
 a value or an error where the program was right natively (a regression), an error where it was wrong
 natively and 2.15.0 computes, a wrong value, the ranks going different ways (``split``: one

@@ -32,7 +32,7 @@ HOW_TO_TELL = (
     "patch: applied, not needed, failed, waiting)"
 )
 NO_HOOK_FIX = ("use `torchpatch run -- CMD`, or put sitecustomize_example.py on PYTHONPATH as sitecustomize.py "
-               "(README: Clusters: sitecustomize)")
+               "(docs/usage/clusters.md)")
 EXIT_CODES = f"""\
 Exit status: {OK} when nothing is wrong; {HAZARD} when a hazard is found (numpy 2 beside a torch built for
 numpy 1, two installed copies of torchpatch, TORCHPATCH on but the start-up hook did not run in this
