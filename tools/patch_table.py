@@ -66,9 +66,10 @@ def table() -> str:
 
 
 def catalogue_size() -> str:
-    """The README's count of the catalogue."""
+    """The README's paragraph that counts the catalogue."""
     by_subsystem = subsystems()
-    return f"{sum(map(len, by_subsystem.values()))} patches in {len(by_subsystem)} subsystems"
+    return (f"{sum(map(len, by_subsystem.values()))} patches in {len(by_subsystem)} subsystems, each for the torch "
+            "versions that need it ([the catalogue](docs/patches/index.md)).")
 
 
 def bugs_table() -> str:
