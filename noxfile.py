@@ -181,4 +181,5 @@ def docs(session: nox.Session) -> None:
     """Build the manual with ``mkdocs build --strict`` into a throw-away folder: a link to a missing page,
     file or anchor, or a page left out of the nav, fails it (the validation settings of mkdocs.yml)."""
     session.install(*DOCS)
-    session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp(), env={"NO_MKDOCS_2_WARNING": "1"})
+    session.run("mkdocs", "build", "--strict", "--site-dir", session.create_tmp(),
+                env={"NO_MKDOCS_2_WARNING": "1"})  # (mkdocs-material's notice of mkdocs 2)

@@ -127,6 +127,10 @@ def _title(subsystem: str, version: str, cell: Cell) -> str:
     return escape("\n".join(lines))
 
 
+def _box(x: int, y: int, fill: str) -> str:
+    return f'<rect x="{x}" y="{y}" width="{CELL_W - 2}" height="{CELL_H - 2}" rx="3" fill="{fill}"/>'
+
+
 def svg(subsystems: Dict[str, List[Patch]]) -> str:
     """The chart as an SVG document."""
     releases = minor_releases()
@@ -152,17 +156,17 @@ def svg(subsystems: Dict[str, List[Patch]]) -> str:
             x = LABEL_W + col * CELL_W
             number = str(len(cell.applying)) if cell.applying else ""
             out.append(f'<g><title>{_title(subsystem, inv.version, cell)}</title>'
-                       f'<rect x="{x + 1}" y="{y + 1}" width="{CELL_W - 2}" height="{CELL_H - 2}" rx="3" fill="{fill}"/>'
+                       f"{_box(x + 1, y + 1, fill)}"
                        f'<text x="{x + CELL_W // 2}" y="{y + CELL_H // 2 + 4}" text-anchor="middle" fill="{ink}">'
                        f"{number}{mark}</text></g>")
     x = PAD
     for state, (fill, ink, mark) in STATES.items():
-        out.append(f'<rect x="{x}" y="{legend_y}" width="{CELL_W - 2}" height="{CELL_H - 2}" rx="3" fill="{fill}"/>'
+        out.append(f"{_box(x, legend_y, fill)}"
                    f'<text x="{x + CELL_W // 2 - 1}" y="{legend_y + CELL_H // 2 + 3}" text-anchor="middle" '
                    f'fill="{ink}">{mark}</text>'
                    f'<text x="{x + CELL_W + 4}" y="{legend_y + CELL_H // 2 + 3}">{state}</text>')
         x += CELL_W + 12 + 9 * len(state)
     out.append(f'<text x="{PAD}" y="{legend_y + CELL_H + 16}">the number: patches of the subsystem that apply '
-               f"there (Python 3.11); each minor is its newest inventoried release</text>")
+               f"there (Python {releases[-1].python}); each minor is its newest inventoried release</text>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
