@@ -71,7 +71,7 @@ def through_patch_range(patch_id: str, why: str = "", since: Optional[str] = Non
     return only_torch(f">={since or _dotted(first)}", f"across {patch_id}'s range. {why}")
 
 
-def until_patch_range_ends(patch_id: str, since: str, why: str = ""):
+def until_patch_range_ends(patch_id: str, why: str = "", *, since: str):
     """Skip unless the installed torch is at least ``since`` and before the end of the patch's range,
     where torch itself does not have what the patch gives."""
     _first, end = _versions.minor_range(PATCH_TORCH[patch_id])

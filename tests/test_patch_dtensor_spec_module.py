@@ -21,7 +21,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 """
 
 
-@until_patch_range_ends("dtensor-spec-module", "2.1", "torch 2.5 moved DTensorSpec into torch.distributed.tensor._dtensor_spec")
+@until_patch_range_ends("dtensor-spec-module", "torch 2.5 moved DTensorSpec into torch.distributed.tensor._dtensor_spec",
+                        since="2.1")
 def test_native_module_not_found():
     proc = run_py(IMPORTS)
     assert "ModuleNotFoundError: No module named 'torch.distributed.tensor._dtensor_spec'" in proc.stderr, proc.stderr[-2000:]

@@ -53,7 +53,7 @@ def run(tmp_path, **env):
     return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
-@until_patch_range_ends("set-timeout", "2.4")
+@until_patch_range_ends("set-timeout", since="2.4")
 def test_native_has_no_set_timeout(tmp_path):
     out = run(tmp_path)
     assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
