@@ -12,12 +12,13 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import pytest
 
 import forkserver
 from torchpatch import _versions
+from torchpatch._registry import catalogue_index
 
 # torchpatch's wheel as the nox session built and installed it (tests that install it elsewhere reuse it).
 WHEEL = os.environ.get("TORCHPATCH_TEST_WHEEL")
@@ -38,6 +39,48 @@ def torch_matches(spec: str) -> bool:
 def only_torch(spec: str, why: str = ""):
     """Skip unless the installed torch matches ``spec``."""
     return pytest.mark.skipif(not torch_matches(spec), reason=f"needs torch {spec}; have {TORCH}. {why}")
+
+
+# Each catalogue patch's torch specifier, as its Patch(...) declares it (the installed wheel's index).
+PATCH_TORCH = {patch_id: specs[0] for declared in catalogue_index().values() for patch_id, specs in declared.items()}
+# The torch minor versions the catalogue covers, as far as tests reason about them.
+TORCH_MINORS = ["1.13"] + [f"2.{minor}" for minor in range(16)]
+
+
+def patch_applies_here(patch_id: str) -> bool:
+    """Whether the installed torch is in the catalogue patch ``patch_id``'s range."""
+    return torch_matches(PATCH_TORCH[patch_id])
+
+
+def where_patch_applies(patch_id: str, why: str = ""):
+    """Skip unless the installed torch is in the patch's range (its ``Patch(torch=...)``)."""
+    return only_torch(PATCH_TORCH[patch_id], f"where {patch_id} applies. {why}")
+
+
+def where_patch_does_not_apply(patch_id: str, why: str = ""):
+    """Skip where the installed torch is in the patch's range."""
+    return pytest.mark.skipif(patch_applies_here(patch_id),
+                              reason=f"needs torch outside {patch_id}'s {PATCH_TORCH[patch_id]}; have {TORCH}. {why}")
+
+
+def through_patch_range(patch_id: str, why: str = "", since: Optional[str] = None):
+    """Skip unless the installed torch is at least ``since`` (a torch minor version), by default the
+    patch's first: the result with torchpatch from there on, which the patch gives where it applies and
+    torch itself gives after."""
+    first, _end = _versions.minor_range(PATCH_TORCH[patch_id])
+    return only_torch(f">={since or _dotted(first)}", f"across {patch_id}'s range. {why}")
+
+
+def until_patch_range_ends(patch_id: str, why: str = "", *, since: str):
+    """Skip unless the installed torch is at least ``since`` and before the end of the patch's range,
+    where torch itself does not have what the patch gives."""
+    _first, end = _versions.minor_range(PATCH_TORCH[patch_id])
+    assert end is not None, f"{patch_id}'s range has no end"
+    return only_torch(f">={since},<{_dotted(end)}", f"torch without what {patch_id} gives. {why}")
+
+
+def _dotted(minor: Tuple[int, int]) -> str:
+    return "%d.%d" % minor
 
 
 def clean_env(**extra: Optional[str]) -> Dict[str, str]:

@@ -4,9 +4,11 @@ process's configuration fixes it."""
 
 import ast
 
-from conftest import REPO, clean_env, run_json
+import pytest
+
+from conftest import REPO, TORCH_MINORS, clean_env, run_json
 from torchpatch import _versions
-from torchpatch._known_bugs import known_bugs
+from torchpatch._known_bugs import entries, known_bugs
 from torchpatch._registry import builtin_patches
 
 PATCHES = {p.id: p for p in builtin_patches()}
@@ -25,6 +27,20 @@ def test_every_entry_is_complete_and_names_a_correctness_patch_or_why_not():
         else:
             assert PATCHES[e["patch"]].category == "correctness", e
             assert "not_fixable" not in e, e
+
+
+@pytest.mark.torch_independent
+def test_an_entry_states_its_own_range_only_where_it_is_not_its_patchs():
+    """A bug a patch fixes affects the torch versions of the patch's range, which the entry does not
+    repeat; it states its own only where torch fixed the bug before the patch's range ends (a patch
+    that fixes several bugs), strictly inside that range. A bug no patch fixes states its own."""
+    for e in entries():
+        if e["patch"] is None:
+            assert "torch" in e, e
+        elif "torch" in e:
+            own = {v for v in TORCH_MINORS if _versions.matches(e["torch"], v)}
+            patchs = {v for v in TORCH_MINORS if _versions.matches(PATCHES[e["patch"]].torch, v)}
+            assert own < patchs, (e["id"], e["torch"], f"{e['patch']}: {PATCHES[e['patch']].torch}")
 
 
 def test_every_correctness_patch_fixes_a_known_bug():

@@ -8,7 +8,7 @@ torch's native ops, which checks the references and the served ops' semantics ag
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks,
-    torch_matches
+    torch_matches, where_patch_applies
 )
 
 SCHEMAS_2_4 = {  # torch 2.4.1's, read with torch.ops._c10d_functional.<op>.default._schema
@@ -238,7 +238,7 @@ def run(tmp_path):
     return every[0]
 
 
-@only_torch(">=2.1,<2.2", "torch 2.1 has only the c10d_functional ops of the (tag, ranks, group_size) schema")
+@where_patch_applies("c10d-functional-ops", "torch 2.1 has only the c10d_functional ops of the (tag, ranks, group_size) schema")
 def test_native_failure():
     proc = run_py("import torch; torch.ops._c10d_functional.reduce_scatter_tensor.default")
     assert ("AttributeError: '_OpNamespace' '_c10d_functional' object has no attribute 'reduce_scatter_tensor'"
@@ -247,7 +247,7 @@ def test_native_failure():
     assert "has no attribute 'group_name'" in proc.stderr
 
 
-@only_torch(">=2.1,<2.2")
+@where_patch_applies("c10d-functional-ops")
 def test_served_ops_on_two_ranks(tmp_path):
     out = run(tmp_path)
     assert out["status"] == "applied"
@@ -262,7 +262,7 @@ def test_native_ops_agree(tmp_path):
         assert out["schemas"] == {name: f"_c10d_functional::{name}{schema}" for name, schema in SCHEMAS_2_4.items()}
 
 
-@only_torch(">=2.1,<2.2")
+@where_patch_applies("c10d-functional-ops")
 def test_uninstall_takes_the_ops_back():
     out = run_json(
         """

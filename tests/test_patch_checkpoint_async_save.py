@@ -2,7 +2,7 @@
 returns a completed future; the same script runs against torch's own ``async_save`` from 2.3 (the
 reference: same checkpoint, same metadata, a snapshot of the state at the call)."""
 
-from conftest import clean_env, only_torch, run_json, torch_matches
+from conftest import clean_env, only_torch, run_json, torch_matches, where_patch_applies
 
 USE = """
 import json, sys, warnings, torch, torch.nn as nn, torchpatch
@@ -43,7 +43,7 @@ print(json.dumps({
 KEYS = ["model.0.bias", "model.0.weight", "model.2.bias", "model.2.weight", "progress.step"]
 
 
-@only_torch(">=2.0,<2.3", "torch 2.3 added async_save")
+@where_patch_applies("checkpoint-async-save", "torch 2.3 added async_save")
 def test_native_failure():
     out = run_json(
         """
@@ -57,7 +57,7 @@ def test_native_failure():
     assert out == "module 'torch.distributed.checkpoint' has no attribute 'async_save'"
 
 
-@only_torch(">=2.0,<2.3")
+@where_patch_applies("checkpoint-async-save")
 def test_served_synchronous_save(tmp_path):
     out = run_json(USE, env=clean_env(TORCHPATCH="1"), args=(str(tmp_path / "ckpt"),))
     assert out["module"] == "torchpatch.patches.checkpoint.checkpoint_async_save" and out["status"] == "applied"

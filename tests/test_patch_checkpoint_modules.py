@@ -2,7 +2,10 @@
 state_dict / stateful modules and dcp.save/load, checked by a 2-rank save/load round trip whose
 resumed training equals an uninterrupted run, and against torch's own implementation on >= 2.2."""
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks,
+    where_patch_does_not_apply
+)
 
 NATIVE = """
 import json, torch, torch.distributed
@@ -299,7 +302,7 @@ def test_shim_matches_native_state_dict():
     assert shim["strict"] is True and native["strict"] is True
 
 
-@only_torch(">=2.2", "torch has the modules and save/load: the patch serves nothing")
+@where_patch_does_not_apply("checkpoint-modules", "torch has the modules and save/load: the patch serves nothing")
 def test_inactive_where_torch_has_it():
     out = run_json(
         """

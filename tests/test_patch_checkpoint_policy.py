@@ -10,7 +10,7 @@ served implementation and on torch 2.9/2.13's native one.
 
 import pytest
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies
 
 SCRIPT = r"""
 import collections, json, torch, torch.nn as nn, torch.nn.functional as F
@@ -225,7 +225,7 @@ def test_native_failure_private_name():
     assert "ImportError: cannot import name '_pt2_selective_checkpoint_context_fn_gen'" in proc.stderr
 
 
-@only_torch(">=2.1")
+@where_patch_applies("checkpoint-policy")
 def test_policy_is_honoured(patched):
     s, blocks = patched["structure"], patched["blocks"]
     assert min(s.values()) > 0 and s["mm"] % blocks == 0
@@ -246,7 +246,7 @@ def test_policy_is_honoured(patched):
     assert patched["ctx_ok"]
 
 
-@only_torch(">=2.1")
+@where_patch_applies("checkpoint-policy")
 def test_errors_match_torch(patched):
     e = patched["errors"]
     assert e["mutated"] == "RuntimeError: Tensor cached during selective activation checkpoint has been mutated"

@@ -2,7 +2,7 @@
 compiles exactly as ``torch.compile(dynamic_shapes=...)`` does on the same torch: same results, same
 graphs handed to the backend, in both the call and the decorator form."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies
 
 USE = """
 import inspect, json, torch
@@ -35,13 +35,13 @@ print(json.dumps(out))
 """
 
 
-@only_torch(">=2.14", "torch 2.14 renamed shapes_spec to dynamic_shapes")
+@where_patch_applies("compile-shapes-spec", "torch 2.14 renamed shapes_spec to dynamic_shapes")
 def test_native_failure():
     proc = run_py("import torch; torch.compile(lambda x: x, shapes_spec={})", env=clean_env())
     assert "unexpected keyword argument 'shapes_spec'" in proc.stderr, proc.stderr
 
 
-@only_torch(">=2.14")
+@where_patch_applies("compile-shapes-spec")
 def test_served_as_dynamic_shapes():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out["status"] == "applied"

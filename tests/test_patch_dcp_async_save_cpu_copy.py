@@ -12,7 +12,10 @@ the default writer (``FileSystemWriter``, an ``AsyncStager``) and a writer that 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
+    where_patch_applies
+)
 
 RANKS = """
 import datetime, json, os, threading, torch, torch.distributed as dist
@@ -80,7 +83,7 @@ def run(tmp_path, **env) -> list:
     return ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
-@only_torch(">=2.3,<2.7", "async_save stages CPU tensors without copying them")
+@where_patch_applies("dcp-async-save-cpu-copy", "async_save stages CPU tensors without copying them")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DCP_ASYNC_SAVE_CPU_COPY": "0"}], ids=["unset", "opted-out"])
 def test_native_writes_the_updated_values(tmp_path, env):
     for out in run(tmp_path, **env):
@@ -88,8 +91,8 @@ def test_native_writes_the_updated_values(tmp_path, env):
         assert out == {w: {k: "updated" for k in KEYS} for w in ("FileSystemWriter", "_FileSystemWriter")}, out
 
 
-@only_torch(">=2.3", "dcp.async_save exists from torch 2.3")
+@through_patch_range("dcp-async-save-cpu-copy", "dcp.async_save exists from torch 2.3")
 def test_checkpoint_holds_the_values_at_the_call(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
-        assert out.pop("status") == ("applied" if torch_matches("<2.7") else None)
+        assert out.pop("status") == ("applied" if patch_applies_here("dcp-async-save-cpu-copy") else None)
         assert out == {w: {k: "snapshot" for k in KEYS} for w in ("FileSystemWriter", "_FileSystemWriter")}, out

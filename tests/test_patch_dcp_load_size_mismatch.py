@@ -13,7 +13,10 @@ and 2.15 raise natively; the patch is not applied there. The same holds on one p
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, ranks_result, run_json,
+    through_patch_range, where_patch_applies
+)
 
 RANKS = """
 import datetime, json, os, torch, torch.distributed as dist
@@ -75,10 +78,10 @@ def test_native_loads_the_overlap_silently(tmp_path, env):
         assert out == {"same": "saved values", "larger": "half loaded", "smaller": "half loaded", "status": None}, out
 
 
-@only_torch(">=2.4", "dcp.save/load of DTensor")
+@through_patch_range("dcp-load-size-mismatch", "dcp.save/load of DTensor", since="2.4")
 def test_size_mismatch_raises(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
-        assert out.pop("status") == ("applied" if torch_matches("<2.6") else None)
+        assert out.pop("status") == ("applied" if patch_applies_here("dcp-load-size-mismatch") else None)
         assert out == {"same": "saved values", "larger": "size mismatch", "smaller": "size mismatch"}, out
 
 
@@ -105,7 +108,8 @@ print(json.dumps(out))
 """
 
 
-@only_torch(">=2.0,<2.6", "no size check; the no_dist load_state_dict path (torch 2.1 has no DTensor dcp.load without torchpatch)")
+@where_patch_applies("dcp-load-size-mismatch",
+                     "no size check; the no_dist load_state_dict path (torch 2.1 has no DTensor dcp.load without torchpatch)")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DCP_LOAD_SIZE_MISMATCH": "0"}, {"TORCHPATCH": "1"}],
                          ids=["unset", "opted-out", "torchpatch"])
 def test_one_process_load_state_dict(env):

@@ -15,7 +15,10 @@ the patch is not even armed.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, rank_result, run_json, run_ranks, through_patch_range,
+    torch_matches, where_patch_applies
+)
 
 NATIVE = """
 import json, torch.distributed as dist
@@ -32,7 +35,7 @@ print(json.dumps({"error": error, "status": torchpatch.status().get("device-mesh
 """
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4's DeviceMesh slices by names but cannot flatten")
+@where_patch_applies("device-mesh-flatten", "torch 2.4's DeviceMesh slices by names but cannot flatten")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DEVICE_MESH_FLATTEN": "0"}], ids=["unset", "opted-out"])
 def test_native_failure(env):
     out = run_json(NATIVE, env=clean_env(**env))
@@ -116,7 +119,7 @@ def expected(rank):
     }
 
 
-@only_torch(">=2.4", "DeviceMesh slices by names from 2.4 on; _flatten is torch's own from 2.5")
+@through_patch_range("device-mesh-flatten", "DeviceMesh slices by names from 2.4 on; _flatten is torch's own from 2.5")
 def test_flatten_on_four_ranks_as_torch_2_9(tmp_path):
     proc = run_ranks(SCRIPT, nproc=4, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -180,7 +183,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4", "FSDP2 came with torch 2.4")
+@through_patch_range("device-mesh-flatten", "FSDP2 came with torch 2.4")
 def test_fsdp_and_tp_on_the_flattened_mesh(tmp_path):
     proc = run_ranks(FSDP_TP, nproc=4, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -2,7 +2,10 @@
 the objects of ``torch.distributed._tensor.device_mesh``; nothing on 1.13 (no DeviceMesh there);
 torch's own from 2.2 on. The 2-rank script is the same on 2.1 (served) and on 2.4/2.13 (native)."""
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks,
+    where_patch_applies
+)
 
 IMPORT = "from torch.distributed import DeviceMesh"
 
@@ -45,7 +48,7 @@ def run(tmp_path):
     return out
 
 
-@only_torch(">=2.1,<2.2", "torch 2.1 keeps DeviceMesh in torch.distributed._tensor only")
+@where_patch_applies("device-mesh-toplevel", "torch 2.1 keeps DeviceMesh in torch.distributed._tensor only")
 def test_native_failure():
     proc = run_py(IMPORT)
     assert "ImportError: cannot import name 'DeviceMesh' from 'torch.distributed'" in proc.stderr, proc.stderr[-2000:]
@@ -53,7 +56,7 @@ def test_native_failure():
     assert "AttributeError: module 'torch.distributed' has no attribute 'init_device_mesh'" in proc.stderr
 
 
-@only_torch(">=2.1,<2.2")
+@where_patch_applies("device-mesh-toplevel")
 def test_served_on_two_ranks(tmp_path):
     out = run(tmp_path)
     assert out["module"] == "torch.distributed._tensor.device_mesh" and out["status"] == "applied"

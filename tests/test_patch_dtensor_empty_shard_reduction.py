@@ -13,7 +13,10 @@ gathering first (``max(dim)``, ``min(dim)``, ``aminmax``) give their value on ev
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, ranks_result, torch_matches,
+    where_patch_applies
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 import builtins
@@ -130,7 +133,7 @@ def _run(tmp_path, **env) -> dict:
     return out
 
 
-@only_torch(">=2.4", "every torch tried: the rank with the empty shard raises alone")
+@where_patch_applies("dtensor-empty-shard-reduction", "every torch tried: the rank with the empty shard raises alone")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_DTENSOR_EMPTY_SHARD_REDUCTION": "0"}], ids=["unset", "opted-out"])
 def test_native_only_the_empty_rank_raises(tmp_path, env):
     out = _run(tmp_path, **env)
@@ -138,7 +141,7 @@ def test_native_only_the_empty_rank_raises(tmp_path, env):
     assert out == _expected(patched=False, others=bool(env)), out
 
 
-@only_torch(">=2.4", "DTensor's sharding propagation as the patch knows it")
+@where_patch_applies("dtensor-empty-shard-reduction", "DTensor's sharding propagation as the patch knows it")
 def test_every_rank_raises_torchs_error(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
     assert out.pop("status") == "applied"

@@ -9,7 +9,7 @@ own. Every result is checked against the same computation on the global tensors,
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
-    torch_matches
+    torch_matches, where_patch_applies
 )
 
 SCRIPT = """
@@ -141,7 +141,7 @@ def assert_replicates(out):
     assert out["local_map"] == EXPECTED_LOCAL_MAP
 
 
-@only_torch(">=2.1,<2.5", "2.1-2.4 lack torch.distributed.tensor.experimental")
+@where_patch_applies("dtensor-experimental", "2.1-2.4 lack torch.distributed.tensor.experimental")
 def test_native_failure(tmp_path):
     out = rank_result(run_ranks(SCRIPT, env=clean_env(), tmp_path=tmp_path))
     assert out["ranks_agree"]
@@ -149,7 +149,7 @@ def test_native_failure(tmp_path):
     assert_mixed_errors(out["native_errors"])
 
 
-@only_torch(">=2.1,<2.5")
+@where_patch_applies("dtensor-experimental")
 def test_served(tmp_path):
     # Automatic replication (dtensor-implicit-replication) off: the native error outside the context.
     proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1", TORCHPATCH_DISABLE="dtensor-implicit-replication"),
@@ -183,7 +183,7 @@ def test_native_where_torch_has_it(tmp_path):
     assert out["local_map_module"] == "torch.distributed.tensor.experimental"
 
 
-@only_torch(">=2.1,<2.5")
+@where_patch_applies("dtensor-experimental")
 def test_opt_out():
     out = run_json(
         """

@@ -18,7 +18,10 @@ replicated value copied into a ``Partial("max")``.
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    ranks_result, through_patch_range, torch_matches
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # rank r's share of a Partial("sum") tensor
@@ -148,10 +151,11 @@ def test_write_dropped_natively(tmp_path, env):
         assert out[name] == "ok", (name, out)
 
 
-@only_torch(">=2.4", "DTensor's dispatcher as the patch knows it")
+@through_patch_range("dtensor-inplace-placement-change", "DTensor's dispatcher as the patch knows it", since="2.4")
 def test_computed_or_refused_as_on_newer_torch(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == out.pop("add_scalar_status") == ("applied" if torch_matches("<2.13") else None)
+    applied = "applied" if patch_applies_here("dtensor-inplace-placement-change") else None
+    assert out.pop("status") == out.pop("add_scalar_status") == applied
     assert {k: v[:5] if v.startswith("error") else v for k, v in out.items()} == NEWEST, out
 
 

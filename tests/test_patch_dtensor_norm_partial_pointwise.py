@@ -11,7 +11,10 @@ raise torch 2.15's ``RuntimeError`` (it cannot keep a ``_NormPartial``), as torc
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    ranks_result, through_patch_range, torch_matches
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 A = torch.tensor([[1.0, -3.0, 2.0], [2.5, 0.5, -4.0], [6.0, 1.0, -2.0], [0.0, 3.0, 1.0]], dtype=torch.float64)
@@ -90,10 +93,10 @@ def test_norm_partials_wrong_natively(tmp_path, env):
             assert out[name] == "ok", (name, out)
 
 
-@only_torch(">=2.4", "DTensor's pointwise strategies as the patch knows them")
+@through_patch_range("dtensor-norm-partial-pointwise", "DTensor's pointwise strategies as the patch knows them", since="2.4")
 def test_norm_partials_as_on_the_newest_torch(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == ("applied" if torch_matches("<2.11") else None)
+    assert out.pop("status") == ("applied" if patch_applies_here("dtensor-norm-partial-pointwise") else None)
     assert out == NEWEST, out
 
 

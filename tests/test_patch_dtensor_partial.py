@@ -5,8 +5,8 @@ The same rank script runs on every torch >= 2.1 (torchpatch's ``Partial`` on 2.1
 """
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
-    torch_matches
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, rank_result, run_json,
+    run_ranks, through_patch_range, torch_matches, where_patch_applies
 )
 
 SCRIPT = """
@@ -89,7 +89,7 @@ def test_native_failure():
     assert "cannot import name 'Partial' from 'torch.distributed._tensor'" in proc["error"]
 
 
-@only_torch(">=2.1")
+@through_patch_range("dtensor-partial")
 def test_partial_reduces_on_two_ranks(tmp_path):
     # torch 2.4's own Partial (measured on 2.4.1; 2.9.0 gets both right) on gloo: Partial("avg")
     # raises "Cannot use ReduceOp.AVG with Gloo", and Partial("max"/"min"/"product") -> Shard sums
@@ -114,7 +114,7 @@ def test_partial_reduces_on_two_ranks(tmp_path):
     assert out["repr"] == "Partial(max)"
     assert out["copies"] == [True, True]
     # Served on 2.1-2.3; on 2.4 only as torch.distributed.tensor.Partial; not armed from 2.5.
-    assert out["status"] == ("applied" if torch_matches("<2.5") else None)
+    assert out["status"] == ("applied" if patch_applies_here("dtensor-partial") else None)
 
 
 @only_torch(">=2.1,<2.4", "the checks of torchpatch's own Partial class")
@@ -145,7 +145,7 @@ def test_reduce_op_names_and_errors():
     assert out["module"] == ["torch.distributed._tensor.placement_types", "Partial", "_Partial"]
 
 
-@only_torch(">=2.1,<2.5")
+@where_patch_applies("dtensor-partial")
 def test_opt_out():
     out = run_json(
         """

@@ -11,7 +11,10 @@ patch, not without. On torch 2.13 and later the patch is not applied and torch i
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, ranks_result, run_ranks, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    rank_result, ranks_result, run_ranks, through_patch_range, torch_matches
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # rank r's share of a Partial("sum") tensor; small integers: every sum is exact
@@ -114,10 +117,10 @@ def test_off_without_the_fix_of_stale_numbers(tmp_path):
         assert out[name].startswith("wrong"), (name, out)
 
 
-@only_torch(">=2.4", "DTensor's pointwise strategies as the patch knows them")
+@through_patch_range("dtensor-partial-add-scalar", "DTensor's pointwise strategies as the patch knows them", since="2.4")
 def test_number_added_once(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
+    assert out.pop("status") == ("applied" if patch_applies_here("dtensor-partial-add-scalar") else None)
     assert out.pop("add_partials_placement") == "[Partial(sum)]"  # adding partials stays partial: no communication
     expected = dict.fromkeys(NUMBER_ADDS + ALREADY_RIGHT + ("foreach_add_number", "clip_grads"), "ok")
     # the in-place adds raise, as torch >= 2.13 refuses them: this patch reduces their Partial first, which

@@ -11,7 +11,10 @@ patch is not applied).
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    ranks_result, through_patch_range, torch_matches
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 def share(r, seed):  # rank r's share of a Partial; small integers: every sum is exact
@@ -79,10 +82,11 @@ def test_mixed_partials_wrong_natively(tmp_path, env):
         assert out[name] == "ok", (name, out)
 
 
-@only_torch(">=2.4", "DTensor's pointwise strategies and redistribution as the patch knows them")
+@through_patch_range("dtensor-partial-kinds", "DTensor's pointwise strategies and redistribution as the patch knows them",
+                     since="2.4")
 def test_mixed_partials_as_on_the_newest_torch(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
+    assert out.pop("status") == ("applied" if patch_applies_here("dtensor-partial-kinds") else None)
     assert out == NEWEST, out
 
 

@@ -6,7 +6,7 @@ API on 2.9 and 2.13, and every value is checked against a reference computed on 
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_ranks,
-    torch_matches
+    through_patch_range, torch_matches, where_patch_applies
 )
 
 SCRIPT = """
@@ -97,7 +97,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.1,<2.5", "torch.distributed.tensor holds only `parallel` before 2.5")
+@where_patch_applies("dtensor-public", "torch.distributed.tensor holds only `parallel` before 2.5")
 def test_native_failure():
     out = run_json(
         """
@@ -123,7 +123,7 @@ def test_native_failure():
         assert "device_mesh" not in out and out["full_tensor"] is True
 
 
-@only_torch(">=2.1")
+@through_patch_range("dtensor-public")
 def test_public_api_on_two_ranks(tmp_path):
     proc = run_ranks(SCRIPT, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -148,7 +148,7 @@ def test_public_api_on_two_ranks(tmp_path):
         assert "only has for CUDA-like device meshes, not 'cpu'" in out["random_errors"]["randn"][1]
 
 
-@only_torch(">=2.1,<2.5")
+@where_patch_applies("dtensor-public")
 def test_opt_out_restores_the_native_failure():
     proc = run_json(
         """

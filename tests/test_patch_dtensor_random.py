@@ -3,8 +3,8 @@
 without a collective; an error for a rank outside the mesh), on 2 ranks."""
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json,
-    run_ranks, torch_matches
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, only_torch, rank_result, run_json, run_ranks,
+    torch_matches, where_patch_applies
 )
 
 NATIVE = """
@@ -22,7 +22,7 @@ print(json.dumps(out))
 """
 
 
-@only_torch(">=2.1,<2.5", "torch 2.5 moved the module to torch.distributed.tensor._random")
+@where_patch_applies("dtensor-random", "torch 2.5 moved the module to torch.distributed.tensor._random")
 def test_native_failure():
     out = run_json(NATIVE)
     assert out == {"attribute": "module 'torch.distributed.tensor' has no attribute '_random'",
@@ -84,7 +84,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.1,<2.5")
+@where_patch_applies("dtensor-random")
 def test_served_on_two_ranks(tmp_path):
     proc = run_ranks(RANKS, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

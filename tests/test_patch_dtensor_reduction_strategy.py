@@ -10,7 +10,10 @@ and later torch is right by itself and the patch is not applied.
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    ranks_result, through_patch_range, torch_matches
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # what rank r holds of a Partial("sum") tensor: every rank can compute every rank's
@@ -104,11 +107,11 @@ def test_native_results_are_wrong(tmp_path, env):
             assert out[name].startswith("wrong"), (name, out)
 
 
-@only_torch(">=2.4", "DTensor's reduction strategies as the patch knows them")
+@through_patch_range("dtensor-reduction-strategy", "DTensor's reduction strategies as the patch knows them", since="2.4")
 def test_reductions_equal_the_global_ones(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
     status = out.pop("status")
-    assert status == ("applied" if torch_matches("<2.14") else None)
+    assert status == ("applied" if patch_applies_here("dtensor-reduction-strategy") else None)
     assert out == {name: "ok" for name in FIXED + ALREADY_RIGHT}, out
 
 

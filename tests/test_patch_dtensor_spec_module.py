@@ -10,7 +10,10 @@ instances of them, and a spec built from them equals the DTensor's own; ``_Strid
 and class (the reference for the spec equality) and the patch stays out of the way.
 """
 
-from conftest import clean_env, free_port, import_with_torchpatch, only_torch, run_json, run_py
+from conftest import (
+    clean_env, free_port, import_with_torchpatch, only_torch, run_json, run_py, until_patch_range_ends,
+    where_patch_applies
+)
 
 IMPORTS = """
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
@@ -18,7 +21,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 """
 
 
-@only_torch(">=2.1,<2.5", "torch 2.5 moved DTensorSpec into torch.distributed.tensor._dtensor_spec")
+@until_patch_range_ends("dtensor-spec-module", "torch 2.5 moved DTensorSpec into torch.distributed.tensor._dtensor_spec",
+                        since="2.1")
 def test_native_module_not_found():
     proc = run_py(IMPORTS)
     assert "ModuleNotFoundError: No module named 'torch.distributed.tensor._dtensor_spec'" in proc.stderr, proc.stderr[-2000:]
@@ -72,7 +76,7 @@ def check_semantics(out):
     assert out["redistributed"] is True
 
 
-@only_torch(">=2.2,<2.5")
+@where_patch_applies("dtensor-spec-module")
 def test_served_names_are_torch_own_classes():
     out = run_script()
     assert out["status"] == "applied"

@@ -9,7 +9,10 @@ later the dispatcher already does, and the patch is not applied.
 
 import pytest
 
-from conftest import DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    DTENSOR_RANK_SETUP, LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here,
+    ranks_result, through_patch_range
+)
 
 SCRIPT = DTENSOR_RANK_SETUP + """
 def summand(r):  # rank r's share of a Partial("sum") tensor; small integers: products are exact
@@ -57,10 +60,10 @@ def test_first_numbers_reused_natively(tmp_path, env):
     assert out["view_sharded"] == ["ok", "ok"], out
 
 
-@only_torch(">=2.4", "DTensor's dispatcher as the patch knows it")
+@through_patch_range("dtensor-stale-scalar-args", "DTensor's dispatcher as the patch knows it", since="2.4")
 def test_each_call_uses_its_numbers(tmp_path):
     out = _run(tmp_path, TORCHPATCH="1")
-    assert out.pop("status") == ("applied" if torch_matches("<2.9") else None)
+    assert out.pop("status") == ("applied" if patch_applies_here("dtensor-stale-scalar-args") else None)
     assert out == {"sum_times_i": ["ok"] * 3, "mul_partial": ["ok"] * 2, "pow_partial": ["ok"] * 2, "view_sharded": ["ok"] * 2}, out
 
 

@@ -4,12 +4,12 @@ FlexAttention entry point (and ``BlockMask(...)``) raises ``NotImplementedError`
 ``noop_mask`` is upstream's (a True bool scalar); torch 2.4's private ``_flex_attention`` is left
 alone. On torch >= 2.5 the module is torch's own and the patch stays out of the way."""
 
-from conftest import clean_env, import_with_torchpatch, only_torch, run_json, run_py
+from conftest import clean_env, import_with_torchpatch, only_torch, run_json, run_py, where_patch_applies
 
 IMPORT = "from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention"
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4 has only the private _flex_attention")
+@where_patch_applies("flex-attention-module", "torch 2.4 has only the private _flex_attention")
 def test_native_module_not_found():
     proc = run_py(IMPORT)
     assert "ModuleNotFoundError: No module named 'torch.nn.attention.flex_attention'" in proc.stderr, proc.stderr[-2000:]
@@ -72,7 +72,7 @@ print(json.dumps(out))
 """
 
 
-@only_torch(">=2.4,<2.5")
+@where_patch_applies("flex-attention-module")
 def test_served_module_imports_and_functions_raise():
     out = run_json(SERVED, env=clean_env(TORCHPATCH="1"))
     assert out["status"] == "applied"

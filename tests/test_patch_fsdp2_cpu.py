@@ -14,7 +14,10 @@ same training gives the same results with the patch not armed.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json,
+    through_patch_range, where_patch_applies
+)
 
 NATIVE = """
 import json, traceback, torch, torch.distributed as dist, torch.nn as nn
@@ -37,7 +40,7 @@ print(json.dumps({"cuda": torch.cuda.is_available(), "error": error, "status": t
 NO_CUDA = ("Found no NVIDIA driver", "CUDA driver version is insufficient", "Torch not compiled with CUDA enabled")
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4's FSDP2 creates CUDA streams unconditionally")
+@where_patch_applies("fsdp2-cpu", "torch 2.4's FSDP2 creates CUDA streams unconditionally")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FSDP2_CPU": "0"}], ids=["unset", "opted-out"])
 def test_native_failure(env):
     out = run_json(NATIVE, env=clean_env(**env))
@@ -115,10 +118,10 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4", "FSDP2 (torch.distributed._composable.fsdp) came with torch 2.4")
+@through_patch_range("fsdp2-cpu", "FSDP2 (torch.distributed._composable.fsdp) came with torch 2.4")
 def test_trains_as_one_process(tmp_path):
     for out in ranks_result(TRAIN, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
-        assert out["status"] == ("applied" if torch_matches("<2.5") else None)
+        assert out["status"] == ("applied" if patch_applies_here("fsdp2-cpu") else None)
         for key, rel, tol in (("float64", 1e-12, 1e-12), ("float32", 1e-5, 1e-4), ("hsdp-float32", 1e-5, 1e-4)):
             run = out[key]
             assert run["losses"] == pytest.approx(run["ref_losses"], rel=rel, abs=0), (key, run)
@@ -178,7 +181,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4,<2.5", "torch >= 2.6 keeps the version counters itself")
+@where_patch_applies("fsdp2-cpu", "torch >= 2.6 keeps the version counters itself")
 def test_copy_out_keeps_version_counters(tmp_path):
     for out in ranks_result(VERSIONS, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out["fsdp_sees_torch"] is False

@@ -5,7 +5,10 @@ with TORCHPATCH=1 its sharded gradients equal (sum of the ranks' own gradients) 
 same run on one process (to float32 rounding of a sum in another order), and a factor equal to the group size (torch's
 AVG path) is left to torch. Below torch 2.8 (no divide factor) the patch stays out of the way."""
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, rank_result, run_ranks, where_patch_applies,
+    where_patch_does_not_apply
+)
 
 RANKS = """
 import copy, datetime, json, sys, torch, torch.distributed as dist, torch.nn as nn
@@ -61,13 +64,13 @@ def run(tmp_path, factor, **env):
     return rank_result(proc)
 
 
-@only_torch(">=2.8", "the gradient divide factor came with torch 2.8")
+@where_patch_applies("fsdp2-gloo-divide-factor", "the gradient divide factor came with torch 2.8")
 def test_native_premul_sum_error(tmp_path):
     outs = run(tmp_path, 4.0)
     assert "Cannot use ReduceOp.PREMUL_SUM with Gloo" in outs[0]["error"], outs
 
 
-@only_torch(">=2.8")
+@where_patch_applies("fsdp2-gloo-divide-factor")
 def test_sum_then_divide_equals_reference(tmp_path):
     for factor in (4.0, 2.0):  # 2.0 is the group size: torch's own AVG path, left alone
         outs = run(tmp_path, factor, TORCHPATCH="1")
@@ -76,7 +79,7 @@ def test_sum_then_divide_equals_reference(tmp_path):
             assert out["status"] == "applied", out
 
 
-@only_torch("<2.8", "no gradient divide factor before torch 2.8: nothing to do")
+@where_patch_does_not_apply("fsdp2-gloo-divide-factor", "no gradient divide factor before torch 2.8: nothing to do")
 def test_inactive_before_2_8(tmp_path):
     proc = run_ranks("import torchpatch, json\nprint('TP ' + json.dumps(torchpatch.status().get('fsdp2-gloo-divide-factor')))\n",
                      nproc=1, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=120)

@@ -13,7 +13,10 @@ applied there.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
+    torch_matches, where_patch_applies
+)
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
@@ -102,7 +105,7 @@ def supported(out: dict) -> dict:
     return layouts
 
 
-@only_torch(">=2.4,<2.13", "FSDP2 does not compare parameters across groups")
+@where_patch_applies("fsdp2-shared-params", "FSDP2 does not compare parameters across groups")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FSDP2_SHARED_PARAMS": "0"}], ids=["unset", "opted-out"])
 def test_native_breaks_the_tie_silently(tmp_path, env):
     if not env and torch_matches("<2.5"):
@@ -113,9 +116,9 @@ def test_native_breaks_the_tie_silently(tmp_path, env):
         assert set(supported(out).values()) == {"reference"}, out
 
 
-@only_torch(">=2.4", "FSDP2 on CPU")
+@through_patch_range("fsdp2-shared-params", "FSDP2 on CPU")
 def test_shared_param_across_groups_raises(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
-        assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
+        assert out.pop("status") == ("applied" if patch_applies_here("fsdp2-shared-params") else None)
         assert out.pop("separate") == "shared-param error", out
         assert set(supported(out).values()) == {"reference"}, out

@@ -12,7 +12,10 @@ torch 2.9 and 2.15 the same code runs on torch's own names and the patch is not 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json,
+    through_patch_range, where_patch_applies
+)
 
 PUBLIC = ["fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
           "register_fsdp_forward_method", "UnshardHandle"]
@@ -38,7 +41,7 @@ print(json.dumps(out))
 """ % (PUBLIC,)
 
 
-@only_torch(">=2.4,<2.6", "FSDP2 is private only (torch.distributed._composable.fsdp) on torch 2.4 and 2.5")
+@where_patch_applies("fsdp-public", "FSDP2 is private only (torch.distributed._composable.fsdp) on torch 2.4 and 2.5")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FSDP_PUBLIC": "0"}], ids=["unset", "opted-out"])
 def test_native_failure(env):
     out = run_json(NAMES, env=clean_env(**env))
@@ -46,13 +49,13 @@ def test_native_failure(env):
     assert out["has"] == [False] * len(PUBLIC) and out["status"] is None
 
 
-@only_torch(">=2.4", "FSDP2 came with torch 2.4")
+@through_patch_range("fsdp-public", "FSDP2 came with torch 2.4")
 def test_public_names_are_the_private_objects():
     out = run_json(NAMES, env=clean_env(TORCHPATCH="1"))
     assert out["error"] is None
     assert out["has"] == [True] * len(PUBLIC) and out["same"] == [True] * len(PUBLIC), out
     assert out["fsdp1"] == "torch.distributed.fsdp.fully_sharded_data_parallel"
-    assert out["status"] == ("applied" if torch_matches("<2.6") else None)
+    assert out["status"] == ("applied" if patch_applies_here("fsdp-public") else None)
 
 
 SCRIPT = """
@@ -110,7 +113,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4", "FSDP2 came with torch 2.4")
+@through_patch_range("fsdp-public", "FSDP2 came with torch 2.4")
 def test_public_api_on_two_ranks(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out["is_fsdp_module"] == [True, True, False]
@@ -118,4 +121,4 @@ def test_public_api_on_two_ranks(tmp_path):
         # the root's unshard() gathers its own group (model.out's parameters), not model.inp's
         assert out["unsharded"] == [True, True, False, False] and out["resharded"] == [True] * 4, out
         assert out["forward"] < 1e-12 and out["grads"] < 1e-12 and out["encode"] < 1e-12, out
-        assert out["status"] == ("applied" if torch_matches("<2.6") else None)
+        assert out["status"] == ("applied" if patch_applies_here("fsdp-public") else None)

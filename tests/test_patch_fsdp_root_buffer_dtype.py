@@ -12,7 +12,7 @@ matches either way. Torch 2.9 and 2.15 match natively; the patch is not applied 
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, ranks_result, through_patch_range
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
@@ -82,8 +82,8 @@ def test_native_ignores_buffer_dtype(tmp_path, env):
                        "root_with_params": RIGHT}, out
 
 
-@only_torch(">=2.4", "FSDP1 on CPU")
+@through_patch_range("fsdp-root-buffer-dtype", "FSDP1 on CPU", since="2.4")
 def test_buffers_keep_buffer_dtype(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
-        assert out.pop("status") == ("applied" if torch_matches("<2.6") else None)
+        assert out.pop("status") == ("applied" if patch_applies_here("fsdp-root-buffer-dtype") else None)
         assert out == {"root_without_params": RIGHT, "root_with_params": RIGHT}, out

@@ -34,7 +34,10 @@ checks every op's gradient, the other coalesced ops included, against torch 2.13
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
+    torch_matches, where_patch_applies
+)
 
 SCRIPT = """
 import datetime, json, torch, torch.distributed as dist
@@ -210,7 +213,7 @@ def reductions() -> dict:
     return want
 
 
-@only_torch(">=2.4,<2.13", "no autograd formulas for _c10d_functional ops")
+@where_patch_applies("funcol-autograd", "no autograd formulas for _c10d_functional ops")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FUNCOL_AUTOGRAD": "0"}], ids=["unset", "opted-out"])
 def test_native_gradients_are_wrong(env, tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180):
@@ -225,10 +228,10 @@ def test_native_gradients_are_wrong(env, tmp_path):
         assert out["all_reduce_avg"] in ((False, "Cannot use ReduceOp.AVG with Gloo") if refused else (False,)), out
 
 
-@only_torch(">=2.4", "torch.library.register_autograd arrived in 2.4")
+@through_patch_range("funcol-autograd", "torch.library.register_autograd arrived in 2.4")
 def test_gradients(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
-        assert out.pop("status") == ("applied" if torch_matches("<2.13") else None)
+        assert out.pop("status") == ("applied" if patch_applies_here("funcol-autograd") else None)
         assert out.pop("no_grad_type") == "AsyncCollectiveTensor"
         assert {k: out.pop(k) for k in list(out) if k not in RIGHT} == reductions()
         assert out == RIGHT, out

@@ -10,7 +10,7 @@ themselves and the patch is not applied.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, torch_matches
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, through_patch_range, torch_matches
 
 SCRIPT = """
 import datetime, json, torch, torch.distributed as dist
@@ -52,7 +52,7 @@ def test_native_gather_is_wrong(env, tmp_path):
         assert all(v is True for k, v in out.items() if k.startswith("(2, 2, 3, 4)")), out  # no view path
 
 
-@only_torch(">=2.2", "all_gather_tensor on gloo with any gather_dim")
+@through_patch_range("funcol-gather-negative-dim", "all_gather_tensor on gloo with any gather_dim", since="2.2")
 def test_gather_along_negative_dims(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out.pop("status") == ("applied" if torch_matches(">=2.13,<2.15") else None)

@@ -11,7 +11,10 @@ own results and the patch is not armed.
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_json, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json,
+    through_patch_range, where_patch_applies
+)
 
 NATIVE = """
 import json, torch, torch.distributed as dist
@@ -27,7 +30,7 @@ print(json.dumps({"error": error, "status": torchpatch.status().get("gloo-avg")}
 """
 
 
-@only_torch(">=2.2,<2.7", "gloo has no AVG before torch 2.7")
+@where_patch_applies("gloo-avg", "gloo has no AVG before torch 2.7")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_GLOO_AVG": "0"}], ids=["unset", "opted-out"])
 def test_native_failure(env):
     out = run_json(NATIVE, env=clean_env(**env))
@@ -77,11 +80,11 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.2", "torch 1.13 and 2.1 reduce 'avg' through functional-collectives")
+@through_patch_range("gloo-avg", "torch 1.13 and 2.1 reduce 'avg' through functional-collectives")
 def test_average_equals_sum_over_size(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         status = out.pop("status")
-        assert status == ("applied" if torch_matches("<2.7") else None)
+        assert status == ("applied" if patch_applies_here("gloo-avg") else None)
         assert out == dict({f"{g}/{d}": [True, True, True] for g in ("default", "ranks", "mesh", "mesh_dim", "new_group", "alone")
                             for d in ("torch.float32", "torch.float64")},
                            keywords=True, max=True, sum=True, partial_avg=True), out
@@ -102,7 +105,7 @@ print(json.dumps({"result": result, "backend": str(dist.get_backend()), "status"
 """
 
 
-@only_torch(">=2.2")
+@through_patch_range("gloo-avg")
 def test_default_group_without_backend():
     """init_process_group() without a backend: dist.get_backend() says 'undefined' on torch 2.4, but
     the group's backend for CPU tensors is gloo, which the patch asks."""

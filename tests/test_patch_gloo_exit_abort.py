@@ -27,7 +27,7 @@ import signal
 
 import pytest
 
-from conftest import clean_env, launch, only_torch
+from conftest import clean_env, launch, where_patch_applies, where_patch_does_not_apply
 
 pytestmark = pytest.mark.fresh_interpreter  # gloo's abort at interpreter exit
 
@@ -98,25 +98,25 @@ def assert_aborts(tmp_path, **env):
     raise AssertionError(f"no abort in {TRIES} runs: {runs}")
 
 
-@only_torch(">=2.10")
+@where_patch_applies("gloo-exit-abort")
 def test_native_abort_at_exit(tmp_path):
     proc = assert_aborts(tmp_path)
     assert '{"status": null, "workers": null}' in proc.stdout  # the script itself ran to its end
 
 
-@only_torch(">=2.10")
+@where_patch_applies("gloo-exit-abort")
 def test_exit_waits_for_the_workers(tmp_path):
     proc = rank0(tmp_path, TORCHPATCH="1", TORCHPATCH_LOG="off")
     assert proc.returncode == 0 and ABORT not in proc.stderr, proc.stderr[-3000:]
     assert '{"status": "applied", "workers": 2}' in proc.stdout  # one process group: two workers
 
 
-@only_torch(">=2.10")
+@where_patch_applies("gloo-exit-abort")
 def test_opt_out_brings_the_abort_back(tmp_path):
     assert_aborts(tmp_path, TORCHPATCH="1", TORCHPATCH_GLOO_EXIT_ABORT="0", TORCHPATCH_LOG="off")
 
 
-@only_torch("<2.10", "the worker needs the GIL for a tensor alive in Python only from torch 2.10")
+@where_patch_does_not_apply("gloo-exit-abort", "the worker needs the GIL for a tensor alive in Python only from torch 2.10")
 def test_no_abort_and_inactive_before_torch_2_10(tmp_path):
     for env in ({}, {"TORCHPATCH": "1"}):
         proc = rank0(tmp_path, **env)

@@ -3,13 +3,13 @@ against their definition computed in float64 in the run (within derived toleranc
 functions from 2.6 meet the same expectations) and, bit for bit, against the installed torch's own
 ``clip_grad_norm_`` in the same process; torch's own functions from 2.6."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies, where_patch_does_not_apply
 from reference import LOAD, REFERENCE_DIR
 
 CLIP_JSON = str(REFERENCE_DIR / "clip_grads.json")
 
 
-@only_torch("<2.6", "torch 2.6 added the two functions")
+@where_patch_applies("nn-utils-clip-grads", "torch 2.6 added the two functions")
 def test_native_failure():
     proc = run_py("import torch; torch.nn.utils.get_total_norm([torch.ones(2)])")
     assert "AttributeError: module 'torch.nn.utils' has no attribute 'get_total_norm'" in proc.stderr
@@ -120,20 +120,20 @@ def _check_definition(out: dict) -> None:
     assert exact == [f"norm inf, foreach={f}" for f in (None, False, True)]  # inf norms: exact
 
 
-@only_torch("<2.6")
+@where_patch_applies("nn-utils-clip-grads")
 def test_served_matches_definition():
     out = _reference()
     assert out["module"] == "torchpatch.patches.nn.nn_utils_clip_grads" and out["status"] == "applied"
     _check_definition(out)
 
 
-@only_torch("<2.6", "the second reference: the installed torch's own one-step clip_grad_norm_")
+@where_patch_applies("nn-utils-clip-grads", "the second reference: the installed torch's own one-step clip_grad_norm_")
 def test_served_matches_installed_clip_grad_norm():
     out = _reference()
     assert _all_true(out["own"]) == {} and len(out["own"]) == 21  # bit for bit
 
 
-@only_torch(">=2.6", "torch's own functions: the same expectations hold")
+@where_patch_does_not_apply("nn-utils-clip-grads", "torch's own functions: the same expectations hold")
 def test_torch_own_functions_meet_the_same_expectations():
     out = _reference()
     assert out["module"] == "torch.nn.utils.clip_grad" and out["status"] is None
@@ -180,7 +180,7 @@ def _check_edges(out: dict) -> None:
     assert out["no_grad_params"] and out["inf_norm_zeroes"] == [0.0, 0.0]
 
 
-@only_torch("<2.6")
+@where_patch_applies("nn-utils-clip-grads")
 def test_edges():
     out = run_json(EDGES, env=clean_env(TORCHPATCH="1"))
     _check_edges(out)
@@ -192,7 +192,7 @@ def test_edges_reference():
     _check_edges(run_json(EDGES, env=clean_env(TORCHPATCH="1")))
 
 
-@only_torch(">=2.6", "torch has the functions: nothing is served")
+@where_patch_does_not_apply("nn-utils-clip-grads", "torch has the functions: nothing is served")
 def test_inactive_where_torch_has_them():
     out = run_json(
         """

@@ -2,7 +2,7 @@
 2.1, so ``except torch.OutOfMemoryError`` catches the CUDA error and lets others through; torch's
 own name from 2.4."""
 
-from conftest import clean_env, only_torch, run_json
+from conftest import clean_env, run_json, where_patch_applies, where_patch_does_not_apply
 
 USE = """
 import json, torch, torchpatch
@@ -27,21 +27,21 @@ print(json.dumps(out))
 """
 
 
-@only_torch("<2.4", "torch 2.4 exports torch.OutOfMemoryError")
+@where_patch_applies("oom-error-alias", "torch 2.4 exports torch.OutOfMemoryError")
 def test_native_failure():
     out = run_json(USE)
     # The except clause itself fails: the ValueError being handled turns into an AttributeError.
     assert out["oom"] == out["other"] == "AttributeError: module 'torch' has no attribute 'OutOfMemoryError'"
 
 
-@only_torch("<2.4")
+@where_patch_applies("oom-error-alias")
 def test_served_as_the_cuda_class():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out == {"oom": "caught", "other": "ValueError: bad batch", "same": True, "runtime_error": True,
                    "status": "applied", "after_uninstall": False}
 
 
-@only_torch(">=2.4", "torch's own torch.OutOfMemoryError: the same behaviour, nothing served")
+@where_patch_does_not_apply("oom-error-alias", "torch's own torch.OutOfMemoryError: the same behaviour, nothing served")
 def test_inactive_where_torch_has_it():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out == {"oom": "caught", "other": "ValueError: bad batch", "same": True, "runtime_error": True,

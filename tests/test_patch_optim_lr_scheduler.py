@@ -2,7 +2,7 @@
 subclassing it behaves as on torch 2.x (checked against ``LambdaLR`` on the same torch, and the same
 script on torch >= 2.0 where ``LRScheduler`` is torch's)."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, run_json, run_py, where_patch_applies, where_patch_does_not_apply
 
 USE = """
 import json, math, torch, torchpatch
@@ -42,13 +42,13 @@ print(json.dumps({
 """
 
 
-@only_torch("<2.0", "torch 2.0 named the base class LRScheduler")
+@where_patch_applies("optim-lr-scheduler", "torch 2.0 named the base class LRScheduler")
 def test_native_failure():
     proc = run_py("from torch.optim.lr_scheduler import LRScheduler")
     assert "ImportError: cannot import name 'LRScheduler' from 'torch.optim.lr_scheduler'" in proc.stderr
 
 
-@only_torch("<2.0")
+@where_patch_applies("optim-lr-scheduler")
 def test_served_is_the_base_class():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out["name"] == "_LRScheduler" and out["status"] == "applied"
@@ -56,7 +56,7 @@ def test_served_is_the_base_class():
     assert out["isinstance"] == [True, True, True]
 
 
-@only_torch(">=2.0", "torch's own LRScheduler: the same expectations hold, nothing is served")
+@where_patch_does_not_apply("optim-lr-scheduler", "torch's own LRScheduler: the same expectations hold, nothing is served")
 def test_inactive_where_torch_has_it():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out["name"] == "LRScheduler" and out["status"] is None

@@ -6,12 +6,15 @@ input_args is torch 2.4's own; on newer torch the patch stays out of the way."""
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_py, run_ranks, torch_matches
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, rank_result, run_py, run_ranks, through_patch_range,
+    torch_matches, where_patch_applies
+)
 
 BUILD = "import torch; from torch.distributed.pipelining import PipelineStage; PipelineStage(torch.nn.Linear(2, 2), 0, 2, 'cpu')"
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4 requires input_args")
+@where_patch_applies("pipeline-stage-inference", "torch 2.4 requires input_args")
 def test_native_type_error():
     proc = run_py(BUILD)
     assert "missing 1 required positional argument: 'input_args'" in proc.stderr, proc.stderr[-2000:]
@@ -100,7 +103,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4")
+@through_patch_range("pipeline-stage-inference")
 def test_stages_without_input_args_match_one_process(tmp_path):
     proc = run_ranks(RANKS, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -12,7 +12,7 @@ patch stays out of the way."""
 
 import json
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_ranks
+from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_ranks, where_patch_applies
 
 SCRIPT = """
 import copy, datetime, json, os, torch, torch.distributed as dist, torch.nn as nn
@@ -122,7 +122,7 @@ def run_script(tmp_path, torchpatch: bool):
     return ranks_result(script, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1") if torchpatch else clean_env(), timeout=180)
 
 
-@only_torch(">=2.4,<2.14")
+@where_patch_applies("pipelining-presplit-inputs")
 def test_native_presplit_step_fails(tmp_path):
     script = SCRIPT.replace("PG_TIMEOUT", "10").replace("NATIVE", "True").replace("OUT_DIR", repr(str(tmp_path)))
     proc = run_ranks(script, env=clean_env(), tmp_path=tmp_path, timeout=120)
@@ -143,7 +143,7 @@ def check_equal(ranks):
     assert ranks[0]["mixed"] == MIXED, ranks[0]["mixed"]
 
 
-@only_torch(">=2.4,<2.14")
+@where_patch_applies("pipelining-presplit-inputs")
 def test_presplit_step_equals_whole_batch_step(tmp_path):
     ranks = run_script(tmp_path, torchpatch=True)
     assert [r["status"] for r in ranks] == ["applied"] * 2

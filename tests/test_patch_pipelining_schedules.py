@@ -1,7 +1,10 @@
 """pipelining-schedules: ``get_schedule_class`` served on torch 2.4, and the class it returns runs a
 real 2-rank, 2-stage GPipe step equal to the same computation on one process."""
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks,
+    where_patch_does_not_apply
+)
 
 IMPORT = "from torch.distributed.pipelining.schedules import get_schedule_class"
 
@@ -91,7 +94,7 @@ def test_inactive_and_same_semantics_as_native():
     assert {"GPipe", "DualPipeV", "nope"} <= set(out["same"])
 
 
-@only_torch("<2.4", "no torch.distributed.pipelining at all: this patch serves nothing")
+@where_patch_does_not_apply("pipelining-schedules", "no torch.distributed.pipelining at all: this patch serves nothing")
 def test_not_served_without_pipelining():
     out = run_json(
         """

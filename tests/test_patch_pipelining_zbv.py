@@ -5,12 +5,15 @@ ZB-V order equals torch 2.13's own; on torch 2.13 the patch stays out of the way
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, run_json, run_py, run_ranks,
+    where_patch_applies
+)
 
 IMPORT = "from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime, ScheduleZBVZeroBubble"
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4 has pipelining without these")
+@where_patch_applies("pipelining-zbv", "torch 2.4 has pipelining without these")
 def test_native_import_error():
     proc = run_py(IMPORT)
     assert "ImportError: cannot import name '_PipelineScheduleRuntime'" in proc.stderr, proc.stderr[-2000:]
@@ -108,7 +111,7 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4,<2.5")
+@where_patch_applies("pipelining-zbv")
 @pytest.mark.parametrize("nproc", [2])
 def test_zbv_and_csv_runtime_match_one_process(tmp_path, nproc):
     script = tmp_path / "args"

@@ -3,7 +3,7 @@ torch 2.13's meaning. The same assertions hold for torch 2.9-2.13 natively (the 
 written against) and for 2.14+ with TORCHPATCH=1; references are the profilers' own current spellings
 (``activities=``, ``use_device=``) in the same process."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies
 
 USE = """
 import json, warnings, torch
@@ -52,21 +52,21 @@ def assert_torch_213_semantics(out: dict) -> None:
     assert out["autograd_off"]["warnings"] == [] and out["autograd_off"]["names"] == out["autograd"]["names"]
 
 
-@only_torch(">=2.14", "torch 2.14 removed use_cuda")
+@where_patch_applies("profiler-use-cuda", "torch 2.14 removed use_cuda")
 def test_native_failure():
     for call in ("torch.profiler.profile(use_cuda=True)", "torch.autograd.profiler.profile(use_cuda=True)"):
         proc = run_py(f"import torch; {call}", env=clean_env())
         assert "TypeError" in proc.stderr and "unexpected keyword argument 'use_cuda'" in proc.stderr, proc.stderr
 
 
-@only_torch(">=2.14")
+@where_patch_applies("profiler-use-cuda")
 def test_served_with_torch_213_semantics():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out["status"] == "applied"
     assert_torch_213_semantics(out)
 
 
-@only_torch(">=2.14")
+@where_patch_applies("profiler-use-cuda")
 def test_opt_out():
     proc = run_py("import torch; torch.profiler.profile(use_cuda=False)",
                   env=clean_env(TORCHPATCH="1", TORCHPATCH_PROFILER_USE_CUDA="0"))

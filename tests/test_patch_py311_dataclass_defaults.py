@@ -7,7 +7,10 @@ import sys
 
 import pytest
 
-from conftest import RESULT, clean_env, only_torch, rank_result, run_json, run_ranks, torch_matches
+from conftest import (
+    RESULT, clean_env, rank_result, run_json, run_ranks, torch_matches, where_patch_applies,
+    where_patch_does_not_apply
+)
 
 pytestmark = pytest.mark.skipif(sys.version_info < (3, 11), reason="Python 3.11's dataclasses reject the default")
 
@@ -107,7 +110,7 @@ dist.destroy_process_group()
 """.replace("RESULT", repr(RESULT))
 
 
-@only_torch("<2.0", "torch 2.0 has the upstream fix")
+@where_patch_applies("py311-dataclass-defaults", "torch 2.0 has the upstream fix")
 def test_native_imports_fail():
     out = run_json(IMPORTS)
     message = ("mutable default <class 'torch.distributed._shard.sharded_tensor.metadata.TensorProperties'> "
@@ -115,7 +118,7 @@ def test_native_imports_fail():
     assert out == {name: message for name in FIXED}
 
 
-@only_torch("<2.0", "torch 2.0 has the upstream fix")
+@where_patch_applies("py311-dataclass-defaults", "torch 2.0 has the upstream fix")
 def test_imports_and_dataclass_as_upstream():
     assert run_json(IMPORTS, env=clean_env(TORCHPATCH="1")) == {name: "ok" for name in FIXED}
     out = run_json(SEMANTICS, env=clean_env(TORCHPATCH="1"))
@@ -123,7 +126,7 @@ def test_imports_and_dataclass_as_upstream():
     assert out["status"] == "applied" and out["old_name"] == [True, True]
 
 
-@only_torch("<2.0", "torch 2.0 has the upstream fix")
+@where_patch_applies("py311-dataclass-defaults", "torch 2.0 has the upstream fix")
 def test_sharded_tensor_on_two_ranks(tmp_path):
     proc = run_ranks(SHARDED, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -131,7 +134,7 @@ def test_sharded_tensor_on_two_ranks(tmp_path):
                                  "properties": True}
 
 
-@only_torch(">=2.0", "torch's own default_factory: the reference; nothing hooked")
+@where_patch_does_not_apply("py311-dataclass-defaults", "torch's own default_factory: the reference; nothing hooked")
 def test_inactive_where_torch_is_fixed():
     out = run_json(SEMANTICS, env=clean_env(TORCHPATCH="1"))
     check_semantics(out)

@@ -11,7 +11,7 @@ uncheckpointed gradients everywhere.
 
 import pytest
 
-from conftest import clean_env, only_torch, run_json, torch_matches
+from conftest import clean_env, patch_applies_here, run_json, through_patch_range, where_patch_applies
 
 SCRIPT = """
 import json, torch
@@ -59,15 +59,15 @@ MUTATED = "Tensor cached during selective activation checkpoint has been mutated
 CLEAN = {"value": True, "grads": [True, True]}
 
 
-@only_torch(">=2.4,<2.5", "torch 2.4's private SAC does not check cached tensors")
+@where_patch_applies("sac-cache-mutation", "torch 2.4's private SAC does not check cached tensors")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_SAC_CACHE_MUTATION": "0"}], ids=["unset", "opted-out"])
 def test_native_gradients_are_wrong(env):
     out = run_json(SCRIPT, env=clean_env(**env))
     assert out == {"mutated": {"value": True, "grads": [False, False]}, "clean": CLEAN, "status": None}, out
 
 
-@only_torch(">=2.4", "no eager selective activation checkpointing before torch 2.4")
+@through_patch_range("sac-cache-mutation", "no eager selective activation checkpointing before torch 2.4")
 def test_mutation_raises():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
-    assert out.pop("status") == ("applied" if torch_matches("<2.5") else None)
+    assert out.pop("status") == ("applied" if patch_applies_here("sac-cache-mutation") else None)
     assert out == {"mutated": {"value": True, "grads": MUTATED}, "clean": CLEAN}, out

@@ -11,7 +11,7 @@ uncheckpointed gradient exactly everywhere (the same ops on the same values).
 
 import pytest
 
-from conftest import clean_env, only_torch, run_json, torch_matches
+from conftest import clean_env, patch_applies_here, run_json, through_patch_range, where_patch_applies
 
 SCRIPT = """
 import json, torch
@@ -67,16 +67,16 @@ EXTRA = ("Trying to backward an extra time. You are only allowed to backward onc
          "on any region computed under selective activation checkpoint.")
 
 
-@only_torch(">=2.4,<2.13", "SAC storage popped from the front")
+@where_patch_applies("sac-second-backward", "SAC storage popped from the front")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_SAC_SECOND_BACKWARD": "0"}], ids=["unset", "opted-out"])
 def test_native_second_backward_is_wrong(env):
     out = run_json(SCRIPT, env=clean_env(**env))
     assert out == {"first": True, "second": False, "deep": True, "status": None}, out
 
 
-@only_torch(">=2.4", "no eager selective activation checkpointing in torch before 2.4")
+@through_patch_range("sac-second-backward", "no eager selective activation checkpointing in torch before 2.4")
 def test_second_backward_raises():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     status = out.pop("status")
-    assert status == ("applied" if torch_matches("<2.13") else None)
+    assert status == ("applied" if patch_applies_here("sac-second-backward") else None)
     assert out == {"first": True, "second": EXTRA, "deep": True}, out

@@ -4,7 +4,7 @@ checked against torch 2.13's own in its session) and the definition computed in 
 within a derived tolerance; ``torch.nn.attention.sdpa_kernel``/``SDPBackend`` on torch 1.13-2.2 set
 the backend flags the way torch 2.13's do; inactive where torch has them."""
 
-from conftest import clean_env, only_torch, run_json, torch_matches
+from conftest import clean_env, only_torch, run_json, torch_matches, where_patch_applies, where_patch_does_not_apply
 from reference import LOAD, REFERENCE_DIR
 
 SDPA_JSON = str(REFERENCE_DIR / "sdpa.json")
@@ -346,7 +346,7 @@ def _check_kernel(out: dict) -> None:
     assert out["wrong_type"] == "Backend must be an instance of SDPBackend or a list of SDPBackend instances, got str"
 
 
-@only_torch("<2.3")
+@where_patch_applies("sdpa-backport")
 def test_sdpa_kernel_served():
     out = run_json(KERNEL, env=clean_env(TORCHPATCH="1"))
     _check_kernel(out)
@@ -376,7 +376,7 @@ def test_torch_own_sdpa_untouched_on_21():
     assert out == {"builtin": "builtin_function_or_method", "backend": True}
 
 
-@only_torch(">=2.3", "torch has SDPA and torch.nn.attention: the patch serves nothing")
+@where_patch_does_not_apply("sdpa-backport", "torch has SDPA and torch.nn.attention: the patch serves nothing")
 def test_inactive_where_torch_has_it():
     out = run_json(
         """

@@ -6,7 +6,7 @@ and ``set_priority=False`` calls are torch's own; an order 2.4 cannot follow rai
 ``NotImplementedError`` naming torch >= 2.6 and changes nothing. On torch >= 2.6 the same script runs
 torch's own ``sdpa_kernel`` (the reference for the equalities) and the patch stays out of the way."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies
 
 NATIVE = """
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -15,7 +15,7 @@ with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 """
 
 
-@only_torch(">=2.3,<2.6", "torch 2.6 brought set_priority")
+@where_patch_applies("sdpa-kernel-priority", "torch 2.6 brought set_priority")
 def test_native_type_error():
     proc = run_py(NATIVE)
     assert "TypeError: sdpa_kernel() got an unexpected keyword argument 'set_priority'" in proc.stderr, proc.stderr[-2000:]
@@ -97,7 +97,7 @@ def check_equalities(out):
     assert out["after_all"] == out["before"]
 
 
-@only_torch(">=2.3,<2.6")
+@where_patch_applies("sdpa-kernel-priority")
 def test_followed_orders_equal_plain_sdpa_kernel():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     assert out["status"] == "applied" and out["wrapper"] == "FunctionWrapper"

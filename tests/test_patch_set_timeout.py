@@ -6,7 +6,7 @@ before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and
 fails with gloo's timeout after about 2 s, not 60: as torch >= 2.14's own ``set_timeout`` does (the
 reference, where the patch stays out of the way)."""
 
-from conftest import RESULT, clean_env, only_torch, ranks_result
+from conftest import RESULT, clean_env, only_torch, ranks_result, until_patch_range_ends, where_patch_applies
 
 SCRIPT = """
 import datetime, json, os, time, torch, torch.distributed as dist
@@ -53,7 +53,7 @@ def run(tmp_path, **env):
     return ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
-@only_torch(">=2.4,<2.14")
+@until_patch_range_ends("set-timeout", since="2.4")
 def test_native_has_no_set_timeout(tmp_path):
     out = run(tmp_path)
     assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
@@ -73,7 +73,7 @@ def check_timeouts(out):
         assert 1.5 <= out[name]["seconds"] < 30, out  # the new 2 s, not the 60 s the groups were made with
 
 
-@only_torch(">=2.9,<2.14")
+@where_patch_applies("set-timeout")
 def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["status"] == "applied" and out["served_as"] == "torch.distributed.distributed_c10d._set_pg_timeout", out

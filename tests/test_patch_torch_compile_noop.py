@@ -1,7 +1,7 @@
 """torch-compile-noop: ``torch.compile`` on torch 1.13 returns the module or function itself (one
 warning per process), so training runs eagerly with the results of the uncompiled model."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, run_json, run_py, where_patch_applies, where_patch_does_not_apply
 
 USE = """
 import json, warnings, torch, torchpatch
@@ -44,13 +44,13 @@ print(json.dumps({
 """
 
 
-@only_torch("<2.0", "torch 2.0 brought torch.compile")
+@where_patch_applies("torch-compile-noop", "torch 2.0 brought torch.compile")
 def test_native_failure():
     proc = run_py("import torch; torch.compile(torch.nn.Linear(2, 2))")
     assert "AttributeError: module 'torch' has no attribute 'compile'" in proc.stderr
 
 
-@only_torch("<2.0")
+@where_patch_applies("torch-compile-noop")
 def test_served_returns_the_model():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out["same_object"] and out["keys"] == ["0.bias"]  # not wrapped: no _orig_mod. prefix
@@ -60,7 +60,7 @@ def test_served_returns_the_model():
     assert out["status"] == "applied"
 
 
-@only_torch("<2.0")
+@where_patch_applies("torch-compile-noop")
 def test_disable_is_silent():
     out = run_json(
         """
@@ -76,7 +76,7 @@ def test_disable_is_silent():
     assert out == {"same": True, "warnings": 0}
 
 
-@only_torch(">=2.0", "torch's own torch.compile is left alone")
+@where_patch_does_not_apply("torch-compile-noop", "torch's own torch.compile is left alone")
 def test_inactive_where_torch_has_it():
     out = run_json(
         """

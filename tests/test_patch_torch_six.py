@@ -1,6 +1,6 @@
 """torch-six: ``torch._six`` served on torch >= 2.0; torch 1.13's own module untouched."""
 
-from conftest import clean_env, only_torch, run_json, run_py
+from conftest import clean_env, run_json, run_py, where_patch_applies, where_patch_does_not_apply
 
 USE = """
 import json, math, collections.abc, torch
@@ -19,20 +19,20 @@ print(json.dumps({
 """
 
 
-@only_torch(">=2.0", "torch 2.0 removed torch._six")
+@where_patch_applies("torch-six", "torch 2.0 removed torch._six")
 def test_native_failure():
     proc = run_py("import torch._six")
     assert "ModuleNotFoundError: No module named 'torch._six'" in proc.stderr
 
 
-@only_torch(">=2.0")
+@where_patch_applies("torch-six")
 def test_served():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"))
     assert out == {"inf": True, "nan": True, "strings": True, "ints": True, "abcs": True,
                    "metaclass": True, "served_by": "torch-six"}
 
 
-@only_torch("<2.0", "where torch has torch._six, it stays torch's")
+@where_patch_does_not_apply("torch-six", "where torch has torch._six, it stays torch's")
 def test_inactive_where_torch_has_it():
     out = run_json(
         """
@@ -45,7 +45,7 @@ def test_inactive_where_torch_has_it():
     assert out["file"].endswith("torch/_six.py") and out["served_by"] is None and out["status"] is None
 
 
-@only_torch("<2.0", "the reference: torch 1.13's own torch._six")
+@where_patch_does_not_apply("torch-six", "the reference: torch 1.13's own torch._six")
 def test_shim_matches_the_native_module():
     out = run_json(
         """

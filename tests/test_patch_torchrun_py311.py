@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import RESULT, clean_env, free_port, only_torch, run_json
+from conftest import RESULT, clean_env, free_port, run_json, where_patch_applies, where_patch_does_not_apply
 
 pytestmark = [pytest.mark.skipif(sys.version_info < (3, 11), reason="the bug is Python 3.11's IntFlag iteration"), pytest.mark.fresh_interpreter]  # torchrun's own start
 
@@ -85,7 +85,7 @@ def check_table(out):
     assert out["doc"] == "Example:"
 
 
-@only_torch("<2.0", "torch 2.0 has the fix")
+@where_patch_applies("torchrun-py311", "torch 2.0 has the fix")
 def test_native_torchrun_dies(tmp_path):
     proc = torchrun(tmp_path, env=clean_env())
     assert proc.returncode != 0
@@ -96,14 +96,14 @@ def test_native_torchrun_dies(tmp_path):
     assert out["native"] is True
 
 
-@only_torch("<2.0", "torch 2.0 has the fix")
+@where_patch_applies("torchrun-py311", "torch 2.0 has the fix")
 def test_from_str_fixed():
     out = run_json(TABLE, env=clean_env(TORCHPATCH="1"))
     check_table(out)
     assert out["native"] is False and out["status"] == "applied"
 
 
-@only_torch("<2.0", "torch 2.0 has the fix")
+@where_patch_applies("torchrun-py311", "torch 2.0 has the fix")
 def test_torchrun_runs_two_ranks_with_tee_mapping(tmp_path):
     # --tee 0:3 exercises the mapping form (rank 0 teed with a prefix, rank 1 not); --redirects
     # keeps its default "0", the value form that crashed.
@@ -117,7 +117,7 @@ def test_torchrun_runs_two_ranks_with_tee_mapping(tmp_path):
     assert re.search(r"\[\w+0\]:$", found[0][0]) and not re.search(r"\[\w+1\]:", found[1][0])
 
 
-@only_torch(">=2.0", "where torch has the fix, Std.from_str stays torch's")
+@where_patch_does_not_apply("torchrun-py311", "where torch has the fix, Std.from_str stays torch's")
 def test_inactive_where_torch_is_fixed():
     out = run_json(TABLE, env=clean_env(TORCHPATCH="1"))
     check_table(out)  # torch's own fixed parser: the reference the patched 1.13 one must match

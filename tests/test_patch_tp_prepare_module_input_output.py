@@ -9,12 +9,15 @@ sees and returns is checked too. The script is torch-agnostic: on torch >= 2.8 i
 class (the reference for the served one's semantics) and the patch stays out of the way.
 """
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py,
+    run_ranks, where_patch_applies
+)
 
 IMPORT = "from torch.distributed.tensor.parallel import PrepareModuleInputOutput"
 
 
-@only_torch(">=2.4,<2.8", "torch 2.8 brought PrepareModuleInputOutput")
+@where_patch_applies("tp-prepare-module-input-output", "torch 2.8 brought PrepareModuleInputOutput")
 def test_native_import_error():
     proc = run_py(IMPORT)
     assert "ImportError: cannot import name 'PrepareModuleInputOutput' from 'torch.distributed.tensor.parallel'" in proc.stderr, \
@@ -172,7 +175,7 @@ def check_semantics(out):
                              "length_mismatch": "input_layouts and desired_input_layouts should have same length!"}
 
 
-@only_torch(">=2.4,<2.8")
+@where_patch_applies("tp-prepare-module-input-output")
 def test_served_equals_input_then_output_and_one_process(tmp_path):
     out = run(tmp_path)
     assert out["status"] == "applied"

@@ -7,7 +7,10 @@ model on one process. The script is torch-agnostic: on torch 2.13 (and 2.4) it r
 classes, which checks the served ones' semantics against the reference torch.
 """
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, import_with_torchpatch, only_torch, rank_result, run_py,
+    run_ranks, where_patch_applies
+)
 
 IMPORT = "from torch.distributed.tensor.parallel import PrepareModuleInput, PrepareModuleOutput"
 
@@ -120,13 +123,13 @@ def check_semantics(out):
     assert out["repr"] is None or out["repr"].startswith("PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(dim=0),)")
 
 
-@only_torch(">=2.1,<2.2", "torch 2.1 has tensor parallel without PrepareModuleInput/Output")
+@where_patch_applies("tp-prepare-module-io", "torch 2.1 has tensor parallel without PrepareModuleInput/Output")
 def test_native_import_error():
     proc = run_py(IMPORT)
     assert "ImportError: cannot import name 'PrepareModuleInput' from 'torch.distributed.tensor.parallel'" in proc.stderr, proc.stderr[-2000:]
 
 
-@only_torch(">=2.1,<2.2")
+@where_patch_applies("tp-prepare-module-io")
 def test_served_and_equal_to_one_process(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["classes"] == ["torchpatch.patches.tensor_parallel.tp_prepare_module_io"] * 2

@@ -6,7 +6,10 @@ import importlib.util
 
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, TORCH, clean_env, only_torch, rank_result, run_json, run_py, run_ranks
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, TORCH, clean_env, rank_result, run_json, run_py, run_ranks,
+    where_patch_applies
+)
 
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 needs_xla = pytest.mark.skipif(
@@ -439,7 +442,7 @@ if dist.get_rank() == 0:
 """ + LEAVE_WITHOUT_TEARDOWN
 
 
-@only_torch(">=2.4", "the patch's torch range; a cpu mesh must stay torch's own")
+@where_patch_applies("xla-parallelize", "the patch's torch range; a cpu mesh must stay torch's own")
 def test_cpu_mesh_untouched(tmp_path):
     native = rank_result(run_ranks(CPU_MESH, env=clean_env(), tmp_path=tmp_path))
     patched = rank_result(run_ranks(CPU_MESH, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path))

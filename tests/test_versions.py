@@ -44,3 +44,19 @@ def test_torch_version_from_metadata_without_importing_torch():
 
     assert out[1] == "False"
     assert _versions.release(out[0]) == _versions.release(torch.__version__)
+
+
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("spec, words", [
+    (">=2.2,<2.8", "2.2-2.7"), (">=2.4,<2.5", "2.4"), (">=2.4", "2.4 and later"), ("<2.1", "1.13-2.0"),
+    ("<2.0", "1.13"), (">=1.13", "1.13 and later"), (">=2.10,<2.15", "2.10-2.14"),
+])
+def test_range_in_words(spec, words):
+    assert _versions.in_words(spec) == words
+
+
+@pytest.mark.torch_independent
+@pytest.mark.parametrize("spec", [">=2.4.1", "==2.4", ">=2.4,<2.4", "~=2.1"])
+def test_only_ranges_of_minor_versions_have_words(spec):
+    with pytest.raises(ValueError):
+        _versions.in_words(spec)

@@ -19,9 +19,9 @@ from typing import Callable, Dict, List
 
 from support_chart import svg
 
-from torchpatch._known_bugs import known_bugs
+from torchpatch._known_bugs import entries, with_range
 from torchpatch._patch import Patch
-from torchpatch._registry import DATA, INDEX, _load, catalogue_modules
+from torchpatch._registry import DATA, INDEX, _load, builtin_patches, catalogue_modules
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -74,7 +74,8 @@ def catalogue_size() -> str:
 
 def bugs_table() -> str:
     rows = ["| bug | torch | what goes wrong (silently) | fixed by | upstream |", "|---|---|---|---|---|"]
-    for b in known_bugs():
+    patch_torch = {p.id: p.torch for p in builtin_patches()}  # the modules' own, not the index this run rewrites
+    for b in (with_range(entry, patch_torch) for entry in entries()):
         fix = f"`{b['patch']}`" if b["patch"] else f"not fixable: {b['not_fixable']}"
         upstream = f"[link]({b['upstream']})" if b["upstream"] else "none (fixed in no release)"
         rows.append(f"| `{b['id']}` | `{b['torch']}` | {b['what']} | {fix} | {upstream} |")

@@ -1,9 +1,10 @@
 """Known silent-correctness bugs of torch releases, and whether this process fixes them.
 
-The bugs are catalogue data (``patches/_data/silent_bugs.json``): each entry names the torch versions it
-affects, the upstream fix, and the catalogue patch that fixes it or why none can. ``torchpatch
-doctor`` lists those of the installed torch with their state under the process's ``TORCHPATCH*``
-variables.
+The bugs are catalogue data (``patches/_data/silent_bugs.json``): each entry names the upstream fix,
+and the catalogue patch that fixes it or why none can. The torch versions a bug affects are its patch's
+(the patch's ``Patch(torch=...)``), or the entry's own ``torch`` where no patch fixes it or torch fixed it
+before the patch's range ends (a patch that fixes several bugs). ``torchpatch doctor`` lists those of the
+installed torch with their state under the process's ``TORCHPATCH*`` variables.
 """
 
 from __future__ import annotations
@@ -11,20 +12,32 @@ from __future__ import annotations
 import functools
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import _versions
 from ._manager import PatchPlan
-from ._registry import catalogue_data
+from ._registry import catalogue_data, catalogue_index
 
 FILE = "silent_bugs.json"
 
 
-@functools.lru_cache(maxsize=None)
-def known_bugs() -> List[Dict[str, Any]]:
-    """Every entry of ``patches/_data/silent_bugs.json``."""
+def entries() -> List[Dict[str, Any]]:
+    """Every entry of ``patches/_data/silent_bugs.json``, as the file holds it."""
     data = json.loads((Path(catalogue_data()) / FILE).read_text())
     return list(data["entries"])
+
+
+def with_range(entry: Dict[str, Any], patch_torch: Mapping[str, str]) -> Dict[str, Any]:
+    """``entry`` with the torch versions the bug affects, ``torch``: the entry's own where it has one,
+    else its patch's, from ``patch_torch`` (patch id -> the patch's torch specifier)."""
+    return entry if "torch" in entry else dict(entry, torch=patch_torch[entry["patch"]])
+
+
+@functools.lru_cache(maxsize=None)
+def known_bugs() -> List[Dict[str, Any]]:
+    """Every known bug, with the torch versions it affects (the patches' from the catalogue index)."""
+    patch_torch = {patch_id: specs[0] for declared in catalogue_index().values() for patch_id, specs in declared.items()}
+    return [with_range(entry, patch_torch) for entry in entries()]
 
 
 def _state(entry: Dict[str, Any], plans: Dict[str, PatchPlan], on: bool) -> Dict[str, Any]:

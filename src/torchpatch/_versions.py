@@ -1,5 +1,5 @@
 """The installed torch's version, read from its distribution metadata without importing torch,
-and version specifiers matched against it."""
+version specifiers matched against it, and a patch's torch specifier in words."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import functools
 import os
 import re
 import sys
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 _RELEASE = re.compile(r"^\s*v?(\d+(?:\.\d+)*)")
 _CLAUSE = re.compile(r"^\s*(>=|<=|==|!=|<|>)\s*(\d+(?:\.\d+)*)\s*$")
@@ -93,6 +93,51 @@ def matches(specifier: str, version: Optional[str]) -> bool:
     from packaging.specifiers import SpecifierSet
 
     return SpecifierSet(specifier).contains(".".join(map(str, base)), prereleases=True)
+
+
+OLDEST = (1, 13)  # the oldest torch the catalogue covers: a range without a lower bound starts there
+_LAST_MINOR = {1: 13}  # the last minor release of a torch major: 1.13 precedes 2.0
+Minor = Tuple[int, int]
+
+
+def minor_range(specifier: str) -> Tuple[Minor, Optional[Minor]]:
+    """The torch minor versions ``specifier`` covers as (first, end): from ``first`` (1.13 where it has
+    no lower bound) up to ``end``, excluded (``None`` where it has no upper bound). Only ``>=X.Y`` and
+    ``<X.Y`` clauses, the form of the catalogue's specifiers; anything else is a ValueError."""
+    first: Minor = OLDEST
+    ends: List[Minor] = []
+    for part in filter(str.strip, specifier.split(",")):
+        clause = _CLAUSE.match(part)
+        numbers = clause.group(2).split(".") if clause else []
+        if not (clause and clause.group(1) in (">=", "<") and len(numbers) == 2):
+            raise ValueError(f"not a range of torch minor versions: {specifier!r}")
+        version = (int(numbers[0]), int(numbers[1]))
+        if clause.group(1) == ">=":
+            first = max(first, version)
+        else:
+            ends.append(version)
+    return first, min(ends) if ends else None
+
+
+def _previous(minor: Minor) -> Minor:
+    major, number = minor
+    if number:
+        return major, number - 1
+    if major - 1 not in _LAST_MINOR:
+        raise ValueError(f"no torch release known before {major}.0")
+    return major - 1, _LAST_MINOR[major - 1]
+
+
+def in_words(specifier: str) -> str:
+    """``specifier`` as a patch's docstring states it: ``>=2.2,<2.8`` is ``2.2-2.7``, ``>=2.4,<2.5``
+    ``2.4``, ``>=2.4`` ``2.4 and later``, ``<2.1`` ``1.13-2.0`` (see :func:`minor_range`)."""
+    first, end = minor_range(specifier)
+    if end is None:
+        return "%d.%d and later" % first
+    last = _previous(end)
+    if last < first:
+        raise ValueError(f"no torch matches {specifier!r}")
+    return "%d.%d" % first if last == first else "%d.%d-%d.%d" % (first + last)
 
 
 def python_version() -> str:

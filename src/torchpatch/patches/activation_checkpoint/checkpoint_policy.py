@@ -1,6 +1,7 @@
-"""checkpoint-policy: selective activation checkpointing before torch 2.5 (``CheckpointPolicy``,
-``SelectiveCheckpointContext``, ``create_selective_checkpoint_contexts``), and the private name
-torchtitan used before it where torch lacks that.
+"""checkpoint-policy: selective activation checkpointing's public names of torch 2.5
+(``CheckpointPolicy``, ``SelectiveCheckpointContext``, ``create_selective_checkpoint_contexts``) where
+torch lacks them, and the private name torchtitan used before them where torch lacks that, torch 2.1
+and later.
 
 What breaks:   torchtitan's selective op checkpointing (its Llama 3 8B config uses it) and code
                written for torch 2.5's public API die on torch 2.1-2.4 with

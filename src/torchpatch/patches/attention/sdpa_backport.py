@@ -1,5 +1,5 @@
-"""sdpa-backport: ``torch.nn.functional.scaled_dot_product_attention`` on torch 1.13, and
-``torch.nn.attention`` (``sdpa_kernel``, ``SDPBackend``) on torch 1.13 to 2.2.
+"""sdpa-backport: ``torch.nn.attention`` (``sdpa_kernel``, ``SDPBackend``), and on torch 1.13
+``torch.nn.functional.scaled_dot_product_attention``, torch 1.13-2.2.
 
 What breaks:   - DiT-style models (OpenDiT, Open-Sora, torchtitan's attention) call
                  ``F.scaled_dot_product_attention(q, k, v, attn_mask=..., is_causal=...)`` in

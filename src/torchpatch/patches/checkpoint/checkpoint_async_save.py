@@ -1,5 +1,5 @@
 """checkpoint-async-save: ``torch.distributed.checkpoint.async_save`` where ``dcp.save`` exists but
-``async_save`` does not (torch 2.0 to 2.2), as a synchronous save returning a completed future.
+``async_save`` does not, as a synchronous save returning a completed future, torch 2.0-2.2.
 
 What breaks:   torchtitan (mid 2024 and later) saves checkpoints in the background with
                ``self.async_future = dcp.async_save(state, checkpoint_id=path, process_group=pg)`` and

@@ -1,5 +1,5 @@
 """checkpoint-modules: distributed checkpointing (``torch.distributed.checkpoint``) where it is
-missing or incomplete.
+missing or incomplete, torch 1.13-2.1.
 
 What breaks:   torchtitan-era checkpointing code imports, at module load,
                ``import torch.distributed.checkpoint as dcp``,

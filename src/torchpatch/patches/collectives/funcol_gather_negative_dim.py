@@ -1,5 +1,5 @@
 """funcol-gather-negative-dim: ``all_gather_tensor(x, gather_dim=<negative>, group)`` concatenates
-the wrong way, or fails, on torch 2.13-2.14.
+the wrong way, or fails, torch 2.10-2.14.
 
 What breaks:   the functional all-gather lays the ranks' tensors out along dim 0 and then moves
                them to ``gather_dim`` with ``torch._utils._maybe_view_chunk_cat``, which takes a

@@ -1,5 +1,5 @@
 """functional-collectives: ``torch.distributed._functional_collectives`` where torch lacks it or some of
-its functions.
+its functions, torch 1.13 and later.
 
 What breaks:   OpenDiT's async sequence parallel runs
                ``from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor``

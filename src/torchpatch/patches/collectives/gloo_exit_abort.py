@@ -1,4 +1,5 @@
-"""gloo-exit-abort: a gloo rank aborts at interpreter exit, after its last line of Python.
+"""gloo-exit-abort: a gloo rank aborts at interpreter exit, after its last line of Python, torch 2.10
+and later.
 
 What breaks:   a gloo job's rank dies as it exits with ``terminate called without an active
                exception`` and SIGABRT (exit code -6 / 134), so torchrun reports the whole run as

@@ -1,4 +1,4 @@
-"""gloo-reduce-scatter-op: gloo's reduce-scatter ignores its reduce op and sums, torch 2.3-2.7.
+"""gloo-reduce-scatter-op: gloo's reduce-scatter ignores its reduce op and sums, torch 2.2-2.7.
 
 What breaks:   on a gloo group, every tensor reduce-scatter reduces with SUM whatever op it is
                given, silently: ``dist.reduce_scatter_tensor(out, x, op=ReduceOp.MAX)``,

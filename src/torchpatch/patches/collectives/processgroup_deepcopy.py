@@ -1,4 +1,5 @@
-"""processgroup-deepcopy: ``copy.deepcopy`` / ``copy.copy`` of objects that hold a ProcessGroup.
+"""processgroup-deepcopy: ``copy.deepcopy`` / ``copy.copy`` of objects that hold a ProcessGroup, torch
+1.13 and later.
 
 What breaks:   ``ema = deepcopy(model)`` where the model keeps its sequence-parallel group as an
                attribute (Open-Sora) fails with

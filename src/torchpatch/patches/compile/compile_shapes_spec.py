@@ -1,4 +1,5 @@
-"""compile-shapes-spec: ``torch.compile(shapes_spec=...)``, torch 2.13's name of ``dynamic_shapes``.
+"""compile-shapes-spec: ``torch.compile(shapes_spec=...)``, torch 2.13's name of ``dynamic_shapes``,
+torch 2.14 and later.
 
 What breaks:   code written for torch 2.13 that declares which dimensions are dynamic with
                ``torch.compile(fn, shapes_spec={"x": TensorSpec([ShapeVar("batch"), None])})`` (or a

@@ -1,5 +1,5 @@
 """device-module: ``torch._utils._get_device_module`` (the ``torch.<device>`` module of a device
-type) on torch 1.13.
+type), torch 1.13-2.0.
 
 What breaks:   torchtitan (early 2025) does, at module load,
                ``from torch._utils import _get_available_device_type, _get_device_module`` to find

@@ -1,5 +1,5 @@
 """oom-error-alias: ``torch.OutOfMemoryError``, the top-level name of the CUDA out-of-memory error,
-on torch 1.13 and 2.1.
+torch 1.13-2.3.
 
 What breaks:   training loops written for torch >= 2.4 catch an out-of-memory error with
                ``except torch.OutOfMemoryError:`` (to skip a batch, or to retry with a smaller one).

@@ -1,4 +1,5 @@
-"""relocations: torch.distributed modules that moved, served under their other name.
+"""relocations: torch.distributed modules that moved, served under their other name, torch 2.1 and
+later.
 
 What breaks:   code written for one torch imports a distributed module by the path of its torch:
                ``import torch.distributed._tensor.ops.view_ops`` on 2.9+ (now

@@ -1,4 +1,4 @@
-"""torch-six: the ``torch._six`` module that torch 2.0 removed.
+"""torch-six: the ``torch._six`` module that torch 2.0 removed, torch 2.0 and later.
 
 What breaks:   ``from torch._six import inf, string_classes`` in older apex, DeepSpeed and Megatron
                code dies with ``ModuleNotFoundError: No module named 'torch._six'``.

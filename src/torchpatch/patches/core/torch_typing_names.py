@@ -1,5 +1,5 @@
 """torch-typing-names: ``torch.Any``, ``torch.Optional`` and the other ``typing`` names that
-torch's namespace used to leak.
+torch's namespace used to leak, torch 1.13 and later.
 
 What breaks:   code annotated with ``torch.Any`` (Open-Sora's communication helpers; editors
                autocomplete it) dies at import with

@@ -1,5 +1,5 @@
 """dtensor-experimental: ``torch.distributed.tensor.experimental`` (``implicit_replication``,
-``local_map``) on torch 2.1–2.4, and implicit replication taught to torch 2.1's DTensor dispatch.
+``local_map``), and implicit replication taught to torch 2.1's DTensor dispatch, torch 2.1-2.4.
 
 What breaks:   code written for torch >= 2.5 (torchtitan, transformers' tensor parallel, accelerate)
                does ``from torch.distributed.tensor.experimental import implicit_replication`` (or

@@ -1,5 +1,5 @@
 """dtensor-implicit-replication: a plain ``torch.Tensor`` mixed with DTensors is treated as
-replicated, with a check that it is not a local shard passed by mistake.
+replicated, with a check that it is not a local shard passed by mistake, torch 2.1 and later.
 
 What breaks:   any op that receives a DTensor and a plain tensor (``dtensor + bias``, a vendor
                attention kernel called with DTensor q/k/v and a plain mask) fails with

@@ -1,5 +1,5 @@
 """dtensor-op-fallback: an op with no DTensor sharding strategy runs on replicated inputs instead
-of failing; ``register_sharding`` where torch lacks it.
+of failing; ``register_sharding`` where torch lacks it, torch 2.4 and later.
 
 What breaks:   a vendor or custom op (``torch.library``) called with DTensors fails with
                ``NotImplementedError: Operator mylib.fused_attn.default does not have a sharding

@@ -1,4 +1,5 @@
-"""dtensor-partial: the ``Partial`` placement, taking a reduce-op name, on torch 2.1–2.3.
+"""dtensor-partial: the ``Partial`` placement, taking a reduce-op name, where torch lacks it (2.1-2.3)
+or its public name (2.4), torch 2.1-2.4.
 
 What breaks:   torchtitan (mid 2024) and other code written for torch >= 2.4 does
                ``from torch.distributed._tensor import Partial`` and dies with

@@ -1,4 +1,4 @@
-"""dtensor-public: the public DTensor API (``torch.distributed.tensor``) on torch 2.1–2.4.
+"""dtensor-public: the public DTensor API (``torch.distributed.tensor``), torch 2.1-2.4.
 
 What breaks:   code written for torch >= 2.5 (transformers, torchtitan, accelerate) does
                ``from torch.distributed.tensor import DTensor, Shard, distribute_tensor`` and dies

@@ -1,5 +1,5 @@
 """dtensor-random: ``torch.distributed.tensor._random.manual_seed`` (DTensor's seeding, with the
-semantics of torch 2.13) on torch 2.1–2.4.
+semantics of torch 2.13), torch 2.1-2.4.
 
 What breaks:   torchtitan (early 2025) seeds DTensor's random ops in ``set_determinism`` with
                ``torch.distributed.tensor._random.manual_seed(seed, spmd_mesh)``, inside a function;

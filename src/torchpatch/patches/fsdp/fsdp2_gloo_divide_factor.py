@@ -1,4 +1,5 @@
-"""fsdp2-gloo-divide-factor: FSDP2 with a gradient divide factor on gloo (sum, then divide).
+"""fsdp2-gloo-divide-factor: FSDP2 with a gradient divide factor on gloo (sum, then divide), torch 2.8
+and later.
 
 What breaks:   ``fully_shard`` modules whose gradient divide factor is set
                (``FSDPModule.set_gradient_divide_factor``, which torchtitan 0.2+ always calls) die in

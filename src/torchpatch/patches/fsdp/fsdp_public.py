@@ -1,4 +1,4 @@
-"""fsdp-public: FSDP2's public names in ``torch.distributed.fsdp`` on torch 2.4 and 2.5.
+"""fsdp-public: FSDP2's public names in ``torch.distributed.fsdp``, torch 2.4-2.5.
 
 What breaks:   code written for torch >= 2.6 (torchtitan 2025, accelerate, transformers) does
                ``from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy, CPUOffloadPolicy``

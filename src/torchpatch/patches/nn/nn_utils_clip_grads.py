@@ -1,5 +1,5 @@
 """nn-utils-clip-grads: ``torch.nn.utils.get_total_norm`` and ``torch.nn.utils.clip_grads_with_norm_``
-(gradient clipping in two steps) before torch 2.6.
+(gradient clipping in two steps), torch 1.13-2.5.
 
 What breaks:   torchtitan (early 2025) clips gradients under pipeline parallelism by computing the
                norm of its local gradients, reducing it across stages, then scaling:

@@ -1,5 +1,5 @@
 """pipelining: ``torch.distributed.pipelining`` (manual stages and the GPipe, 1F1B, Interleaved
-1F1B and Looped BFS schedules) on torch 2.1–2.3, a real pipeline runtime.
+1F1B and Looped BFS schedules), a real pipeline runtime, torch 2.1-2.3.
 
 What breaks:   torchtitan (mid 2024 and later) imports the package at module load:
                ``from torch.distributed.pipelining import PipelineStage`` and

@@ -1,4 +1,5 @@
-"""pipelining-schedules: ``get_schedule_class`` for torch 2.4's ``torch.distributed.pipelining``.
+"""pipelining-schedules: ``get_schedule_class`` for torch 2.4's ``torch.distributed.pipelining``,
+torch 2.4 and later.
 
 What breaks:   torchtitan (early 2025) does
                ``from torch.distributed.pipelining.schedules import get_schedule_class`` at module

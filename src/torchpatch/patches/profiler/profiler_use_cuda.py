@@ -1,4 +1,5 @@
-"""profiler-use-cuda: the profilers' deprecated ``use_cuda`` argument, removed in torch 2.14.
+"""profiler-use-cuda: the profilers' deprecated ``use_cuda`` argument, removed in torch 2.14, torch
+2.14 and later.
 
 What breaks:   training scripts from torch 1.8 to 2.13 profile a few steps with
                ``torch.profiler.profile(..., use_cuda=True)`` or

@@ -1,4 +1,5 @@
-"""xla-parallelize: ``parallelize_module`` on an XLA device mesh shards parameters with torch_xla SPMD.
+"""xla-parallelize: ``parallelize_module`` on an XLA device mesh shards parameters with torch_xla
+SPMD, torch 2.4 and later.
 
 What breaks:   pytorch/xla users who apply tensor parallelism the standard way,
                ``parallelize_module(model, init_device_mesh("xla", (n,)), {"in_proj": ColwiseParallel(),
