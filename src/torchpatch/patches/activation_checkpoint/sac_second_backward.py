@@ -35,7 +35,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="sac-second-backward",
     summary="selective activation checkpointing: a second recomputation raises instead of reusing "
-            "other calls' saved outputs, torch 2.4-2.12",
+            "other calls' saved outputs",
     torch=">=2.4,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/176450",
     behaviour="SAC recomputation takes saved outputs by call index, once",

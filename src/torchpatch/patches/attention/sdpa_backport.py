@@ -59,8 +59,8 @@ if TYPE_CHECKING:  # annotations only: torch is never imported at this module's 
 
 PATCH = Patch(
     id="sdpa-backport",
-    summary="F.scaled_dot_product_attention (torch 2.13's math backend) on torch 1.13; "
-    "torch.nn.attention.sdpa_kernel/SDPBackend on 1.13-2.2",
+    summary="torch.nn.attention.sdpa_kernel/SDPBackend where torch lacks them (1.13-2.2); "
+    "F.scaled_dot_product_attention (torch 2.13's math backend) where it lacks that too (1.13)",
     torch="<2.3",
     upstream="https://pytorch.org/docs/2.3/generated/torch.nn.attention.sdpa_kernel.html",
     behaviour="F.scaled_dot_product_attention computed like torch 2.13's math backend, where torch lacks it",

@@ -58,7 +58,8 @@ if TYPE_CHECKING:  # only for annotations: torch is never imported at this modul
 
 PATCH = Patch(
     id="checkpoint-modules",
-    summary="torch.distributed.checkpoint on 1.13; its state_dict, stateful, save and load on 2.0-2.1",
+    summary="torch.distributed.checkpoint where it is missing (1.13), its state_dict, stateful, save and load "
+    "where they are (2.0-2.1)",
     torch=">=1.13,<2.2",
     upstream="https://github.com/pytorch/pytorch/pull/112203",
     requires=("py311-dataclass-defaults",),  # 1.13's _shard package only imports with it on Python 3.11

@@ -66,7 +66,7 @@ REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor")
 PATCH = Patch(
     id="c10d-functional-ops",
     summary="torch.ops._c10d_functional collectives (group_name schemas of torch >= 2.2) and "
-    "ProcessGroup.group_name on torch 2.1",
+    "ProcessGroup.group_name",
     torch=">=2.1,<2.2",
     upstream="https://github.com/pytorch/pytorch/pull/110570",
     behaviour="13 torch.ops._c10d_functional ops registered (torch 2.4 schemas); ProcessGroup.group_name",

@@ -71,7 +71,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="funcol-autograd",
     summary="functional collectives differentiable (all_reduce sum/avg/max/min, all_gather, reduce_scatter sum, "
-            "all_to_all_single, their coalesced forms) as in torch 2.15, torch 2.4-2.12",
+            "all_to_all_single, their coalesced forms) as in torch 2.15",
     torch=">=2.4,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/168140",
     behaviour="gradients of _c10d_functional collectives",

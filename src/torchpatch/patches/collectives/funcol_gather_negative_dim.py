@@ -28,8 +28,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="funcol-gather-negative-dim",
-    summary="functional all_gather_tensor with a negative gather_dim gathers along the right dim, "
-            "torch 2.13-2.14",
+    summary="functional all_gather_tensor with a negative gather_dim gathers along the right dim",
     torch=">=2.10,<2.15",
     upstream="https://github.com/pytorch/pytorch/pull/194865",
     behaviour="_maybe_view_chunk_cat normalizes a negative gather_dim",

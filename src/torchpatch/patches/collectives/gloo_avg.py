@@ -20,7 +20,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="gloo-avg",
-    summary='functional all_reduce(x, "avg") on gloo groups as a sum and a division, torch 2.2-2.6',
+    summary='functional all_reduce(x, "avg") on gloo groups as a sum and a division',
     torch=">=2.2,<2.7",
     upstream="https://github.com/pytorch/pytorch/pull/149781",
     behaviour='funcol.all_reduce(x, "avg", gloo_group)',

@@ -49,7 +49,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="gloo-reduce-scatter-op",
-    summary="reduce-scatter on gloo honours MAX/MIN/PRODUCT/AVG/... instead of summing, torch 2.3-2.7",
+    summary="reduce-scatter on gloo honours MAX/MIN/PRODUCT/AVG/... instead of summing",
     torch=">=2.2,<2.8",
     upstream="https://github.com/pytorch/pytorch/pull/149869",
     behaviour="reduce_scatter_tensor with an op other than SUM on gloo (c10d, funcol, DTensor Partial -> Shard)",

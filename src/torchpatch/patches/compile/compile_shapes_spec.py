@@ -22,7 +22,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="compile-shapes-spec",
-    summary="torch.compile(shapes_spec=...), torch 2.13's name of dynamic_shapes, on torch 2.14+",
+    summary="torch.compile(shapes_spec=...), torch 2.13's name of dynamic_shapes",
     torch=">=2.14",
     upstream="https://github.com/pytorch/pytorch/pull/187010",
     behaviour="torch.compile takes shapes_spec= (torch 2.13) as dynamic_shapes=",

@@ -21,7 +21,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="device-module",
-    summary="torch._utils._get_device_module (torch.cuda for 'cuda', ...) on torch 1.13",
+    summary="torch._utils._get_device_module (torch.cuda for 'cuda', ...)",
     torch="<2.1",
     upstream="https://github.com/pytorch/pytorch/blob/v2.1.0/torch/_utils.py",
 )

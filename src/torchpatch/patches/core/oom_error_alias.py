@@ -24,7 +24,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="oom-error-alias",
-    summary="torch.OutOfMemoryError (= torch.cuda.OutOfMemoryError) on torch 1.13 and 2.1",
+    summary="torch.OutOfMemoryError (= torch.cuda.OutOfMemoryError)",
     torch="<2.4",
     upstream="https://github.com/pytorch/pytorch/pull/121702",
     behaviour="torch.OutOfMemoryError = torch.cuda.OutOfMemoryError, where missing",

@@ -26,7 +26,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="device-mesh-flatten",
-    summary="DeviceMesh._flatten and slicing the root mesh by the flattened name on torch 2.4",
+    summary="DeviceMesh._flatten and slicing the root mesh by the flattened name",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/132632",
     behaviour="root_mesh[flattened_name]",

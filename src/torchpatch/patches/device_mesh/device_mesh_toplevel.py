@@ -24,7 +24,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="device-mesh-toplevel",
-    summary="torch.distributed.DeviceMesh and torch.distributed.init_device_mesh on torch 2.1",
+    summary="torch.distributed.DeviceMesh and torch.distributed.init_device_mesh",
     torch=">=2.1,<2.2",
     upstream="https://github.com/pytorch/pytorch/pull/112364",
 )

@@ -62,7 +62,7 @@ from torchpatch.patches.dtensor._internals import (DISPATCH_MODULES, POINTWISE_M
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
     summary="in-place DTensor ops that would redistribute their own input compute as on torch 2.13 "
-    "(keep a Partial where its rules do, else raise) instead of leaving it unchanged, torch 2.2-2.12",
+    "(keep a Partial where its rules do, else raise) instead of leaving it unchanged",
     torch=">=2.2,<2.13",
     upstream="https://github.com/pytorch/pytorch/issues/163374",
     behaviour="partial_dtensor.exp_()/.neg_()/.add_(x), _foreach_mul_(partials, c) and other in-place ops needing a placement change",

@@ -41,7 +41,7 @@ from torchpatch.patches._source import torch_source
 PATCH = Patch(
     id="dtensor-norm-partial-pointwise",
     summary="DTensor pointwise ops reduce a pending norm (_NormPartial) first instead of computing on each "
-    "rank's partial norm (norm * -2 kept its sign), torch 2.2-2.10",
+    "rank's partial norm (norm * -2 kept its sign)",
     torch=">=2.2,<2.11",
     upstream="https://github.com/pytorch/pytorch/pull/170035",
     behaviour="dtensor.norm() * -2, norm + norm, norm.mul_(c)",

@@ -46,7 +46,7 @@ from torchpatch.patches.dtensor._internals import route_sharding_cache as _route
 PATCH = Patch(
     id="dtensor-op-fallback",
     summary="ops without a DTensor sharding strategy run on replicated inputs (one warning per op); "
-    "register_sharding on torch 2.4",
+    "register_sharding where torch lacks it (2.4)",
     torch=">=2.4",
     upstream="https://github.com/pytorch/pytorch/pull/131108",
     behaviour="DTensor ops without a sharding strategy gather their inputs and run",

@@ -36,7 +36,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="dtensor-partial",
-    summary="Partial placement taking a reduce-op name (Partial('sum'), Partial(reduce_op='max')) for DTensor on torch 2.1-2.3",
+    summary="Partial placement taking a reduce-op name (Partial('sum'), Partial(reduce_op='max')) for DTensor",
     torch=">=2.1,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/127420",
     requires=("dtensor-public",),

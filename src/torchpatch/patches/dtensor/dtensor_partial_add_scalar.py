@@ -37,7 +37,7 @@ from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="dtensor-partial-add-scalar",
-    summary="DTensor Partial + Python number adds the number once (reduces the Partial first), torch 2.1-2.12",
+    summary="DTensor Partial + Python number adds the number once (reduces the Partial first)",
     torch=">=2.1,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/170030",
     behaviour="partial_dtensor + number",

@@ -38,7 +38,7 @@ from torchpatch.patches._source import torch_source
 PATCH = Patch(
     id="dtensor-partial-kinds",
     summary="DTensor Partials of different kinds added together are reduced first, and a Partial is never "
-    "redistributed into another kind (torch 2.13's error), torch 2.2-2.12",
+    "redistributed into another kind (torch 2.13's error)",
     torch=">=2.2,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/172041",
     behaviour="partial_sum + partial_max, partial_sum.add_(partial_max)",

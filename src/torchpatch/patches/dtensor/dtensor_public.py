@@ -39,7 +39,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="dtensor-public",
     summary="torch.distributed.tensor public DTensor API (DTensor, Shard, distribute_tensor, ...), "
-    "torch.distributed.device_mesh and DTensor.full_tensor on torch 2.1-2.4",
+    "torch.distributed.device_mesh and DTensor.full_tensor",
     torch=">=2.1,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/133881",
     behaviour="DTensor.full_tensor where torch lacks it",

@@ -39,7 +39,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="dtensor-random",
-    summary="torch.distributed.tensor._random.manual_seed (torch 2.13's DTensor seeding) on torch 2.1-2.4",
+    summary="torch.distributed.tensor._random.manual_seed (torch 2.13's DTensor seeding)",
     torch=">=2.1,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/133881",
 )

@@ -55,7 +55,7 @@ from torchpatch.patches._source import torch_source
 PATCH = Patch(
     id="dtensor-reduction-strategy",
     summary="DTensor norm/amax of Partial, mean over uneven shards, all() and max(dim) indices "
-    "over sharded dims give the global result, torch 2.2-2.13",
+    "over sharded dims give the global result",
     torch=">=2.2,<2.14",
     upstream="https://github.com/pytorch/pytorch/pull/165962",
     behaviour="DTensor reductions over Partial / unevenly sharded / sharded dims",

@@ -29,7 +29,7 @@ from torchpatch.patches.dtensor._internals import DISPATCH_MODULES
 
 PATCH = Patch(
     id="dtensor-stale-scalar-args",
-    summary="DTensor ops that redistribute inputs use this call's numbers, not the cached first call's, torch 2.2-2.8",
+    summary="DTensor ops that redistribute inputs use this call's numbers, not the cached first call's",
     torch=">=2.2,<2.9",
     upstream="https://github.com/pytorch/pytorch/issues/147180",
     behaviour="dt * 2 then dt * -5 on a Partial DTensor",

@@ -24,7 +24,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-gloo-divide-factor",
-    summary="FSDP2 with a gradient divide factor on gloo reduces with SUM then divides (no PREMUL_SUM in gloo), torch 2.8+",
+    summary="FSDP2 with a gradient divide factor on gloo reduces with SUM then divides (no PREMUL_SUM in gloo)",
     torch=">=2.8",
     upstream="https://github.com/pytorch/pytorch/pull/149781",
     behaviour="FSDPModule.set_gradient_divide_factor on gloo",

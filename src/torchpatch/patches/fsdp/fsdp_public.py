@@ -19,7 +19,7 @@ from torchpatch import Patch
 PATCH = Patch(
     id="fsdp-public",
     summary="torch.distributed.fsdp.fully_shard, FSDPModule, MixedPrecisionPolicy, CPUOffloadPolicy, ... "
-    "(FSDP2's public names) on torch 2.4-2.5",
+    "(FSDP2's public names)",
     torch=">=2.4,<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/141868",
 )

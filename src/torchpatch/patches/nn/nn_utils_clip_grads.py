@@ -37,7 +37,7 @@ if TYPE_CHECKING:  # annotations only: torch is never imported at this module's 
 
 PATCH = Patch(
     id="nn-utils-clip-grads",
-    summary="torch.nn.utils.get_total_norm and clip_grads_with_norm_ (torch 2.6's two-step gradient clipping) before 2.6",
+    summary="torch.nn.utils.get_total_norm and clip_grads_with_norm_ (torch 2.6's two-step gradient clipping)",
     torch="<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/139662",
 )

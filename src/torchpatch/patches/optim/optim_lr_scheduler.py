@@ -20,7 +20,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="optim-lr-scheduler",
-    summary="torch.optim.lr_scheduler.LRScheduler (the scheduler base class, _LRScheduler) on torch 1.13",
+    summary="torch.optim.lr_scheduler.LRScheduler (the scheduler base class, _LRScheduler)",
     torch="<2.0",
     upstream="https://github.com/pytorch/pytorch/pull/88503",
 )

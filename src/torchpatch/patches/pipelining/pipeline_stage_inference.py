@@ -25,7 +25,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="pipeline-stage-inference",
-    summary="PipelineStage without input_args (shapes learnt at the first step) on torch 2.4",
+    summary="PipelineStage without input_args (shapes learnt at the first step)",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/136912",
     behaviour="PipelineStage(module, stage_index, num_stages, device, group=...)",

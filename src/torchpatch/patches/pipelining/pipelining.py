@@ -47,7 +47,7 @@ from torchpatch import Patch
 PATCH = Patch(
     id="pipelining",
     summary="torch.distributed.pipelining (PipelineStage, GPipe/1F1B/Interleaved1F1B/LoopedBFS schedules, "
-    "microbatching) on torch 2.1-2.3",
+    "microbatching)",
     torch=">=2.1,<2.4",
     upstream="https://github.com/pytorch/pytorch/pull/124776",
 )

@@ -19,7 +19,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-gloo-p2p",
-    summary="pipeline schedules wait for every P2P work of a batch (gloo 1F1B hang), torch 2.4-2.7",
+    summary="pipeline schedules wait for every P2P work of a batch (gloo 1F1B hang)",
     torch=">=2.4,<2.8",
     upstream="https://github.com/pytorch/pytorch/pull/152938",
     behaviour="Schedule1F1B and the other schedules on gloo",

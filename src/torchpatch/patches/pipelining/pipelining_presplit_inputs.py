@@ -26,7 +26,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-presplit-inputs",
-    summary="pipeline schedule step(arg_mbs=..., kwarg_mbs=..., target_mbs=...) with pre-split microbatches on torch 2.4-2.13",
+    summary="pipeline schedule step(arg_mbs=..., kwarg_mbs=..., target_mbs=...) with pre-split microbatches",
     torch=">=2.4,<2.14",
     upstream="https://github.com/pytorch/pytorch/tree/v2.14.1/torch/distributed/pipelining/schedules.py",
     behaviour="PipelineSchedule.step(arg_mbs=..., kwarg_mbs=..., target_mbs=...)",

@@ -37,7 +37,7 @@ from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="pipelining-runtime-dw-scale",
-    summary="_PipelineScheduleRuntime / ScheduleDualPipeV scale gradients after a last weight backward (W), torch 2.7-2.9",
+    summary="_PipelineScheduleRuntime / ScheduleDualPipeV scale gradients after a last weight backward (W)",
     torch=">=2.7,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/164777",
     behaviour="ScheduleDualPipeV / _PipelineScheduleRuntime with scale_grads=True",

@@ -27,7 +27,8 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="pipelining-schedules",
-    summary="torch.distributed.pipelining.schedules.get_schedule_class (schedule class by name) on torch 2.4",
+    summary="torch.distributed.pipelining.schedules.get_schedule_class (schedule class by name) "
+    "where torch lacks it (2.4)",
     torch=">=2.4",
     upstream="https://github.com/pytorch/pytorch/pull/132768",
 )

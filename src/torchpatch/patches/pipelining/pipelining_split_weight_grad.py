@@ -44,7 +44,7 @@ from torchpatch.patches._source import torch_source
 
 PATCH = Patch(
     id="pipelining-split-weight-grad",
-    summary="zero-bubble pipeline weight backward (stage_backward_weight): multi-output nodes and weights used twice, torch 2.5-2.12",
+    summary="zero-bubble pipeline weight backward (stage_backward_weight): multi-output nodes and weights used twice",
     torch=">=2.5,<2.13",
     upstream="https://github.com/pytorch/pytorch/pull/181365",
     behaviour="ScheduleInterleavedZeroBubble / ZBV / DualPipeV weight gradients",

@@ -38,7 +38,7 @@ from torchpatch import Patch
 PATCH = Patch(
     id="pipelining-zbv",
     summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble and _PipelineScheduleRuntime "
-    "(action-list runtime, V placement) on torch 2.4",
+    "(action-list runtime, V placement)",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/142084",
 )

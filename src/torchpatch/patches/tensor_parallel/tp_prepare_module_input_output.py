@@ -23,7 +23,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="tp-prepare-module-input-output",
-    summary="torch.distributed.tensor.parallel.PrepareModuleInputOutput on torch 2.4-2.7",
+    summary="torch.distributed.tensor.parallel.PrepareModuleInputOutput",
     torch=">=2.4,<2.8",
     upstream="https://github.com/pytorch/pytorch/pull/150372",
 )
