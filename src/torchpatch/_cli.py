@@ -217,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--problems", action="store_true", help="show only the unresolved, guarded and unknown rows")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")
     p.set_defaults(func=cmd_check)
-    from ._explain import register as register_explain
+    from ._check.explain import register as register_explain
 
     register_explain(sub)
     return parser
