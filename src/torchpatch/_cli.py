@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional
 from _torchpatch_startup import log_is_off
 
 from . import _versions
-from ._manager import PatchPlan, __version__, plan
+from ._plan import PatchPlan, plan
+from ._version import __version__
 
 DESCRIPTION = """\
 Run distributed PyTorch code on the torch you have, with zero code changes.

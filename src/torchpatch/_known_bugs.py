@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from . import _versions
-from ._manager import PatchPlan
+from ._plan import PatchPlan
 from ._registry import catalogue_data
 
 FILE = "silent_bugs.json"

@@ -12,16 +12,16 @@ import time
 import traceback
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Set
 
 import _torchpatch_startup
 
 from . import _versions
-from ._config import Config, Decision, decide
+from ._config import Config
 from ._hooks import ImportWatcher, ShimFinder
 from ._patch import Patch, Patcher
+from ._plan import PatchPlan, plan
 from ._record import Journal
-from ._registry import all_patches, applicable_builtin_patches, with_plugins
 from ._summary import JobSummary, configure_logging, log, log_summary
 from ._symbols import SymbolServer
 from ._version import __version__
@@ -31,52 +31,6 @@ APPLIED, NOT_NEEDED, FAILED, WAITING = "applied", "not needed", "failed", "waiti
 
 class PatchError(RuntimeError):
     """A patch failed while applying and ``TORCHPATCH_STRICT=1`` asked for an error."""
-
-
-@dataclass
-class PatchPlan:
-    """A patch, whether it applies to this torch and Python, and whether the flags have it on."""
-
-    patch: Patch
-    applies: bool
-    applies_reason: str
-    decision: Decision
-
-    @property
-    def active(self) -> bool:
-        return self.applies and self.decision.enabled
-
-
-def _applicability(torch: str, python: str, torch_version: Optional[str]) -> Tuple[bool, str]:
-    """Whether a patch for ``torch`` (and ``python``) specifiers applies here, and why."""
-    if torch_version is None:
-        return False, "torch is not installed"
-    if not _versions.matches(torch, torch_version):
-        return False, f"for torch {torch}"
-    if python and not _versions.matches(python, _versions.python_version()):
-        return False, f"for Python {python}"
-    return True, f"torch {torch}" + (f", Python {python}" if python else "")
-
-
-def plan(environ: Optional[Mapping[str, str]] = None, cfg: Optional[Config] = None, *,
-         only_applicable: bool = False) -> List[PatchPlan]:
-    """Every known patch with its applicability and on/off decision, for the installed torch.
-
-    ``only_applicable`` (what :func:`install` uses): built-in patches that cannot apply to the
-    installed torch and Python are left out, their modules not even imported (the catalogue's
-    index says which); the flags may still name them.
-    """
-    cfg = cfg or Config.from_environ(os.environ if environ is None else environ)
-    version = _versions.torch_version()
-    if only_applicable:
-        builtin, left_out = applicable_builtin_patches(lambda torch, python: _applicability(torch, python, version)[0])
-        patches = with_plugins(builtin, cfg.strict, taken=left_out)
-    else:
-        patches, left_out = all_patches(cfg.strict), []
-    applicability = {p.id: _applicability(p.torch, p.python, version) for p in patches}
-    inapplicable = {i for i, (applies, _) in applicability.items() if not applies}
-    decisions = decide(cfg, patches, inapplicable.union(left_out), left_out)
-    return [PatchPlan(p, *applicability[p.id], decisions[p.id]) for p in patches]
 
 
 @dataclass(eq=False)
