@@ -106,7 +106,7 @@ def test_flag_values_cannot_forge_lines_of_output():
 @pytest.mark.parametrize("command, module, attribute", [
     (["check", str(REPO / "tests" / "fixtures" / "check" / "clean"), "--torch", "2.1.2"], "torchpatch._check.progress",
      "Progress.say"),
-    (["explain", "torch.distributed", "--torch", "2.1.2"], "torchpatch._explain", "explain"),
+    (["explain", "torch.distributed", "--torch", "2.1.2"], "torchpatch._check.explain", "explain"),
     (["list"], "torchpatch._cli", "plan"),
 ])
 def test_ctrl_c_ends_quietly_with_status_130(command, module, attribute):

@@ -4,16 +4,9 @@ Activated in every process by ``TORCHPATCH=1`` (through the ``torchpatch.pth`` s
 ``torchpatch run -- CMD``, or explicitly by :func:`install`. See ``torchpatch --help``.
 """
 
-from ._manager import (
-    PatchError,
-    PatchPlan,
-    _activate_at_startup,
-    install,
-    is_installed,
-    plan,
-    status,
-    uninstall,
-)
+from ._installation import PatchError
+from ._manager import _activate_at_startup, install, is_installed, status, uninstall
+from ._plan import PatchPlan, plan
 from ._patch import Patch, Patcher
 from ._version import __version__
 

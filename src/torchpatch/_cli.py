@@ -11,7 +11,8 @@ from typing import Any, Callable, Dict, List, Optional
 from _torchpatch_startup import log_is_off
 
 from . import _versions
-from ._manager import PatchPlan, __version__, plan
+from ._plan import PatchPlan, plan
+from ._version import __version__
 
 DESCRIPTION = """\
 Run distributed PyTorch code on the torch you have, with zero code changes.
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--problems", action="store_true", help="show only the unresolved, guarded and unknown rows")
     p.add_argument("--json", action="store_true", help="machine-readable output: every row with its locations")
     p.set_defaults(func=cmd_check)
-    from ._explain import register as register_explain
+    from ._check.explain import register as register_explain
 
     register_explain(sub)
     return parser

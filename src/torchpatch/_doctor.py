@@ -19,8 +19,9 @@ from _torchpatch_startup import parse_flag
 from . import _versions
 from ._config import Config, shown
 from ._known_bugs import known_bugs_for
-from ._manager import PatchPlan, __version__, plan
 from ._patch import Patch
+from ._plan import PatchPlan, plan
+from ._version import __version__
 
 OK, HAZARD, MISSING = 0, 1, 3
 DEPENDENCIES = {"wrapt": "wrapt>=1.14", "packaging": "packaging>=21"}  # as pyproject.toml requires them

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import _versions
-from ._manager import PatchPlan
+from ._plan import PatchPlan
 from ._registry import catalogue_data, catalogue_index
 
 FILE = "silent_bugs.json"

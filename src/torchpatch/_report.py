@@ -27,33 +27,38 @@ import re
 import stat
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Tuple, Union
 
 from . import _versions
 from ._config import shown
 from ._summary import log
+from ._version import __version__
 
 if TYPE_CHECKING:
-    from ._manager import _Installation
+    from ._config import Config
+    from ._outcome import Outcome
 
 NO_RANK = "none"  # the rank in the file name of a process no launcher gave a RANK
-_installation: Optional["_Installation"] = None
+_outcome: Optional[Callable[[], "Outcome"]] = None  # the newest installation's
 _directory = ""
+_with_argv = True
 _warned = False  # a report that cannot be written is said once
 _written: Tuple[int, str] = (0, "")  # (pid, path) of the file last written
 
 
-def arm(inst: "_Installation") -> None:
-    """Write the report of ``inst`` (the newest installation of this process) now, whenever one of
-    its patches settles, and at exit, into ``TORCHPATCH_REPORT`` taken relative to the working
-    directory at activation."""
-    global _installation, _directory
-    if _installation is None:
+def arm(cfg: "Config", outcome: Callable[[], "Outcome"]) -> Callable[[], None]:
+    """Write the report of an installation (the newest of this process; ``outcome()``: what it has
+    done so far) now, and at exit, into ``TORCHPATCH_REPORT`` taken relative to the working
+    directory at activation; the function to call whenever one of its patches settles, which
+    writes it again."""
+    global _outcome, _directory, _with_argv
+    if _outcome is None:
         atexit.register(_write, True)
-    _installation = inst
-    _directory = os.path.abspath(inst.cfg.report_dir)
-    inst.on_settled = lambda: _write(False)
+    _outcome = outcome
+    _directory = os.path.abspath(cfg.report_dir)
+    _with_argv = cfg.report_argv
     _write(False)
+    return lambda: _write(False)
 
 
 def _number(name: str) -> Union[int, str, None]:
@@ -71,15 +76,14 @@ def _stamp(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
 
 
-def build(inst: "_Installation", complete: bool = True) -> Dict[str, Any]:
-    """The report of this process, as a JSON-ready dict (``complete``: written at exit)."""
+def build(outcome: "Outcome", with_argv: bool, complete: bool = True) -> Dict[str, Any]:
+    """The report of this process, as a JSON-ready dict (``with_argv``: its command line included;
+    ``complete``: written at exit)."""
     import socket
-
-    from ._manager import __version__
 
     served_modules = {
         name: {"patch": patch, **({"alias_of": real} if real else {})}
-        for name, (patch, real) in sorted(inst.shims.served.items())
+        for name, (patch, real) in sorted(outcome.served_modules.items())
     }
     return {
         "torchpatch": __version__,
@@ -89,22 +93,22 @@ def build(inst: "_Installation", complete: bool = True) -> Dict[str, Any]:
         "rank": _number("RANK"),
         "local_rank": _number("LOCAL_RANK"),
         "world_size": _number("WORLD_SIZE"),
-        "argv": list(sys.argv) if inst.cfg.report_argv else None,
+        "argv": list(sys.argv) if with_argv else None,
         "executable": sys.executable,
         "python": _versions.python_version(),
         "torch": _versions.torch_version(),
-        "activated": _stamp(inst.started),
+        "activated": _stamp(outcome.started),
         "written": _stamp(time.time()),
         "complete": complete,
         "flags": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHPATCH")},
         "patches": {
-            patch_id: {"status": status, **({"error": inst.errors[patch_id]} if patch_id in inst.errors else {})}
-            for patch_id, status in sorted(inst.status.items())
+            patch_id: {"status": status, **({"error": outcome.errors[patch_id]} if patch_id in outcome.errors else {})}
+            for patch_id, status in sorted(outcome.status.items())
         },
-        "switched_off": {p.patch.id: p.decision.reason for p in inst.plans if p.applies and not p.decision.enabled},
+        "switched_off": outcome.switched_off,
         "used": {
             "modules": served_modules,
-            "symbols": {name: {"patch": patch} for name, patch in sorted(inst.symbols_used.items())},
+            "symbols": {name: {"patch": patch} for name, patch in sorted(outcome.served_symbols.items())},
         },
     }
 
@@ -172,12 +176,12 @@ def write(directory: str, report: Dict[str, Any]) -> str:
 def _write(complete: bool) -> None:
     """Write this process's report now (``complete`` at exit); a failure is one warning per process."""
     global _written
-    inst = _installation
-    if inst is None:
+    outcome = _outcome
+    if outcome is None:
         return
     directory = _directory
     try:
-        path = write(directory, build(inst, complete))
+        path = write(directory, build(outcome(), _with_argv, complete))
         # one file per process: a launcher's library may set RANK after the first write (Ray
         # Train's), so the name changes; a forked child's first write is its own file
         if _written[0] == os.getpid() and _written[1] != path:

@@ -14,7 +14,14 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import MutableMapping, Optional
+from typing import TYPE_CHECKING, MutableMapping, Optional
+
+from . import _versions
+from ._outcome import APPLIED, FAILED
+from ._version import __version__
+
+if TYPE_CHECKING:
+    from ._outcome import Outcome
 
 CLAIM = "_TORCHPATCH_SUMMARY"
 NO_RANK = "-"
@@ -87,5 +94,17 @@ def _touch(path: str) -> None:
         pass
 
 
-def log_summary(line: str) -> None:
-    log.info("%s", line, extra={"summary": True})
+def summary_line(outcome: "Outcome") -> str:
+    """Versions, the patches applied and those that failed (and were taken back)."""
+    failed = outcome.with_status(FAILED)
+    line = (
+        f"{__version__} on torch {_versions.torch_version() or '(none)'}, "
+        f"Python {_versions.python_version()}: applied {', '.join(outcome.with_status(APPLIED)) or 'none'}"
+    )
+    if failed:
+        line += f"; failed and taken back {', '.join(failed)}"
+    return line
+
+
+def log_summary(outcome: "Outcome") -> None:
+    log.info("%s", summary_line(outcome), extra={"summary": True})

@@ -15,7 +15,8 @@ One job per module: :mod:`.inventory` (the inventories), :mod:`.helper` (the hel
 :mod:`.live` (talking to it), :mod:`.serving` and :mod:`.resolve` (names), :mod:`.factories`,
 :mod:`.signature` and :mod:`.members` (members and constructor calls), :mod:`.guards` and
 :mod:`.scan` (the AST scan), :mod:`.report` (rows and text), :mod:`.target` (which torch),
-:mod:`.progress` (the status line on a terminal).
+:mod:`.progress` (the status line on a terminal). :mod:`.explain` (``torchpatch explain``) asks the
+same machinery about one name.
 """
 
 from .base import KINDS, CheckError, not_backportable, not_backportable_for

@@ -8,7 +8,7 @@ from typing import Dict, Sequence, Set, Tuple
 
 from .. import _versions
 from .._config import Config, Decision, decide
-from .._manager import _applicability
+from .._plan import applicability
 from .._patch import Patch
 
 
@@ -30,11 +30,11 @@ class Serving:
 
     @classmethod
     def for_torch(cls, version: str, patches: Sequence[Patch], cfg: Config) -> "Serving":
-        applicability = {p.id: _applicability(p.torch, p.python, version) for p in patches}
-        decisions = decide(cfg, patches, inapplicable={i for i, (applies, _) in applicability.items() if not applies})
+        applies = {p.id: applicability(p.torch, p.python, version)[0] for p in patches}
+        decisions = decide(cfg, patches, inapplicable={i for i, yes in applies.items() if not yes})
         out = cls()
         for p in patches:
-            if not applicability[p.id][0]:
+            if not applies[p.id]:
                 continue
             out.decisions[p.id] = decisions[p.id]
             on = decisions[p.id].enabled

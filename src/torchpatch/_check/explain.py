@@ -3,10 +3,10 @@ means on one torch version: which inventoried torch versions have the name, whet
 it there (which, how, and whether the flags of this shell have it on), why it cannot be backported,
 or that torchpatch does not know it.
 
-The answer comes from the machinery of ``torchpatch check`` (:mod:`._check`), asked about one name:
-the target torch and its view of what exists (:func:`~._check.choose_target`), the catalogue as data
-(:class:`~._check.serving.Serving`), names resolved part by part (:class:`~._check.resolve.Resolver`)
-and members of torch.distributed's classes (:class:`~._check.members.MemberChecker`).
+The answer comes from the machinery of ``torchpatch check`` beside it, asked about one name: the
+target torch and its view of what exists (:func:`~.target.choose_target`), the catalogue as data
+(:class:`~.serving.Serving`), names resolved part by part (:class:`~.resolve.Resolver`) and members
+of torch.distributed's classes (:class:`~.members.MemberChecker`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from _torchpatch_startup import parse_flag
 
-from . import _versions
-from ._check import CheckError, Target, choose_target, inventory_files, not_backportable_for
-from ._check.base import MISSING, MODULE, NATIVE, PATCHED, ROOT, UNKNOWN, Result
-from ._check.inventory import Inventory, InventoryView, all_inventories
-from ._check.members import MemberChecker, followed
-from ._check.resolve import Resolver
-from ._check.serving import Serving
-from ._config import Config
-from ._patch import Patch
-from ._registry import all_patches
+from .. import _versions
+from .._config import Config
+from .._patch import Patch
+from .._registry import all_patches
+from .base import MISSING, MODULE, NATIVE, PATCHED, ROOT, UNKNOWN, CheckError, Result, not_backportable_for
+from .inventory import Inventory, InventoryView, all_inventories, inventory_files
+from .members import MemberChecker, followed
+from .resolve import Resolver
+from .serving import Serving
+from .target import Target, choose_target
 
 # What the query is: a dotted name, or the name an error message is about.
 NAME, IMPORT, NO_MODULE, ATTRIBUTE, MEMBER = "name", "import", "module", "attribute", "member"
