@@ -92,8 +92,7 @@ def test_literal_gates_of_a_patchs_tests_lie_inside_or_outside_its_range():
 SUMMARY_ENDS_WITH_A_RANGE = re.compile(r"(,| on| before)( torch)? (\d+\.\d+([-–]\d+\.\d+)?\+?|\d+\.\d+ and \d+\.\d+)$")
 
 
-@pytest.mark.parametrize("name,patch", PATCHES, ids=[patch.id for _, patch in PATCHES])
-def test_summary_leaves_the_range_to_the_patch(name, patch):
+def test_summary_leaves_the_range_to_the_patch():
     """The tables print a patch's range beside its summary, from ``Patch.torch``: a summary that ended
     with a range of its own would say it twice, and could drift."""
-    assert not SUMMARY_ENDS_WITH_A_RANGE.search(patch.summary), patch.summary
+    assert not [p.summary for _, p in PATCHES if SUMMARY_ENDS_WITH_A_RANGE.search(p.summary)]
