@@ -1,5 +1,5 @@
 """The wheel: what it ships, what it depends on, and the PEP 829 start-up entry point; the sdist and the
-wheel built from it; one source for the version; an editable install.
+wheel built from it; one source for the version; an editable install; the Pythons the code claims.
 
 The nox sessions install the wheel they built (``TORCHPATCH_TEST_WHEEL``), and the tests judge that wheel.
 Where torchpatch is installed editable (``pip install -e .``), what only a wheel can tell (its files, its
@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
 from pathlib import Path
@@ -26,6 +27,8 @@ pytestmark = pytest.mark.torch_independent  # the wheel and the sdist: the matri
 
 DIST = metadata.distribution("torchpatch")  # as installed
 EDITABLE = json.loads(DIST.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable", False)
+# The Pythons the suite runs on: the classifiers name these and no other (requires-python may admit older ones).
+TESTED_PYTHONS = ["3.11"]
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,11 @@ def test_wheel_ships_license_and_type_marker_and_metadata(shipped, files):
     urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
     assert {"Homepage", "Source", "Issues", "Changelog", "Documentation"} <= set(urls), urls
     classifiers = meta.get_all("Classifier")
-    assert "Typing :: Typed" in classifiers and any(c.startswith("Programming Language :: Python :: 3") for c in classifiers)
+    assert "Typing :: Typed" in classifiers and "Programming Language :: Python :: 3 :: Only" in classifiers
+    pythons = [c.rsplit(" :: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert pythons == TESTED_PYTHONS, pythons
+    if WHEEL:  # a nox session, as CI runs it: on a Python the classifiers name
+        assert f"{sys.version_info[0]}.{sys.version_info[1]}" in pythons, pythons
 
 
 def test_one_source_for_the_version():
@@ -156,3 +163,13 @@ def test_an_editable_install_serves_the_working_tree(tmp_path):
     assert served == [str(src / "_torchpatch_startup.py"), str(src / "torchpatch" / "__init__.py"),
                       str(src / "torchpatch" / "_bootstrap" / "sitecustomize.py")] and armed
 
+
+def test_the_code_needs_no_python_newer_than_requires_python_admits():
+    """What pip installs on (requires-python) and what is tested (the classifiers) differ: the code in
+    src/ (and the build hook) uses no syntax, module, function or argument newer than the oldest Python
+    admitted (vermin), so that it at least imports and runs there."""
+    oldest = re.search(r'^requires-python = ">=(3\.\d+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    vermin = Path(sysconfig.get_path("scripts")) / "vermin"
+    proc = subprocess.run([str(vermin), f"--target={oldest}-", "--no-tips", "--violations", str(REPO / "src"),
+                           str(REPO / "hatch_build.py")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
