@@ -4,6 +4,7 @@ variables (torchpatch's start-up hook only acts at interpreter start)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any, Dict, Optional
 
 import pytest
-from filelock import FileLock
 
 import forkserver
 from torchpatch import _versions
@@ -151,7 +151,8 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if "PYTEST_XDIST_WORKER" in os.environ:
         run_dir = run_dir.parent  # the run's directory, above each worker's own
     out = run_dir / "torchpatch-wheel"
-    with FileLock(str(out) + ".lock"):
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         built = next(out.glob("torchpatch-*.whl"), None)
         if built is None:
             subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
