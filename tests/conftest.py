@@ -4,6 +4,7 @@ variables (torchpatch's start-up hook only acts at interpreter start)."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import json
 import os
@@ -20,8 +21,14 @@ import forkserver
 from torchpatch import _versions
 from torchpatch._registry import catalogue_index
 
-# torchpatch's wheel as the nox session built and installed it (tests that install it elsewhere reuse it).
-WHEEL = os.environ.get("TORCHPATCH_TEST_WHEEL")
+# torchpatch's wheel as the nox session built and installed it (tests that install it elsewhere reuse it);
+# unset where torchpatch is installed editable from this working tree (the fixture ``wheel`` builds one).
+# pytest-xdist's workers start with this process's environment as the loop below leaves it: they read
+# the wheel from WHEEL_HANDOVER, which is no TORCHPATCH_<ID> switch.
+WHEEL_HANDOVER = "_TORCHPATCH_TEST_WHEEL"
+WHEEL = os.environ.get("TORCHPATCH_TEST_WHEEL") or os.environ.get(WHEEL_HANDOVER)
+if WHEEL:
+    os.environ[WHEEL_HANDOVER] = WHEEL
 # Each test sets the TORCHPATCH* variables it means; none leak in from the caller's shell.
 for _name in [n for n in os.environ if n.startswith("TORCHPATCH")]:
     del os.environ[_name]
@@ -178,12 +185,23 @@ def torchpatch_command(*args: Any, env: Optional[Dict[str, str]] = None, stdin: 
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """torchpatch's wheel: the nox session's (``TORCHPATCH_TEST_WHEEL``), else built here once (5 s)."""
+    """torchpatch's wheel: the nox session's (``TORCHPATCH_TEST_WHEEL``), else one built from the working
+    tree (an editable install, ``pip install -e``), once per test run (5 s): the first pytest-xdist worker
+    to ask builds it under the run's temporary directory, the others wait on its lock and take it."""
     if WHEEL:
         return Path(WHEEL)
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)], check=True)
-    return next(out.glob("torchpatch-*.whl"))
+    run_dir = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        run_dir = run_dir.parent  # the run's directory, above each worker's own
+    out = run_dir / "torchpatch-wheel"
+    with open(f"{out}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        built = next(out.glob("torchpatch-*.whl"), None)
+        if built is None:
+            subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(out), str(REPO)],
+                           check=True)
+            built = next(out.glob("torchpatch-*.whl"))
+    return built
 
 
 def free_port() -> int:

@@ -105,7 +105,7 @@ def test_explicit_install_ignores_the_variable_but_not_the_opt_outs():
 
 
 def test_pth_sitecustomize_and_install_activate_once(tmp_path):
-    (tmp_path / "sitecustomize.py").write_text((REPO / "sitecustomize_example.py").read_text())
+    (tmp_path / "sitecustomize.py").write_text((REPO / "src" / "torchpatch" / "_bootstrap" / "sitecustomize.py").read_text())
     state = run_json(
         """
         import json, sys, torchpatch

@@ -268,11 +268,11 @@ def test_run_works_for_a_target_install_and_chains_sitecustomize(tmp_path, wheel
 
 
 @pytest.mark.torch_independent
-def test_sitecustomize_example_chains_when_off(tmp_path):
+def test_bootstrap_sitecustomize_chains_when_off(tmp_path):
     boot, other = tmp_path / "boot", tmp_path / "other"
     boot.mkdir()
     other.mkdir()
-    (boot / "sitecustomize.py").write_text((REPO / "sitecustomize_example.py").read_text())
+    (boot / "sitecustomize.py").write_text((REPO / "src" / "torchpatch" / "_bootstrap" / "sitecustomize.py").read_text())
     (other / "sitecustomize.py").write_text("import builtins\nbuiltins.SITE_CHAINED = True\n")
     code = ("import builtins, sys; startup = sys.modules.get('_torchpatch_startup'); "
             "print(getattr(builtins, 'SITE_CHAINED', False), bool(startup and startup.pending()))")

@@ -1,11 +1,18 @@
-"""The installed wheel: what it ships, what it depends on, and the PEP 829 start-up entry point; the
-sdist and the wheel built from it; one source for the version."""
+"""The wheel: what it ships, what it depends on, and the PEP 829 start-up entry point; the sdist and the
+wheel built from it; one source for the version; an editable install; the Pythons the code claims.
 
+The nox sessions install the wheel they built (``TORCHPATCH_TEST_WHEEL``), and the tests judge that wheel.
+Where torchpatch is installed editable (``pip install -e .``), what only a wheel can tell (its files, its
+metadata) is judged on a wheel built from the working tree (the fixture ``wheel``)."""
+
+import json
 import re
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -14,31 +21,53 @@ if sys.version_info >= (3, 10):
 else:
     import importlib_metadata as metadata
 
-from conftest import REPO, clean_env, run_json
+from conftest import REPO, WHEEL, clean_env, run_json
 
 pytestmark = pytest.mark.torch_independent  # the wheel and the sdist: the matrix leaves these to the quick suite
 
-DIST = metadata.distribution("torchpatch")
-FILES = {str(f) for f in DIST.files}
+DIST = metadata.distribution("torchpatch")  # as installed
+EDITABLE = json.loads(DIST.read_text("direct_url.json") or "{}").get("dir_info", {}).get("editable", False)
+# The Pythons the suite runs on: the classifiers name these and no other (requires-python may admit older ones).
+TESTED_PYTHONS = ["3.11"]
 
 
-def test_tests_run_against_the_built_wheel_not_the_source_tree():
+@pytest.fixture(scope="module")
+def shipped(wheel: Path) -> metadata.Distribution:
+    """torchpatch as its wheel ships it: the nox session's installed wheel, else one built from the working tree."""
+    info = next(p for p in zipfile.Path(wheel).iterdir() if p.name.endswith(".dist-info"))
+    return metadata.PathDistribution(info)
+
+
+@pytest.fixture(scope="module")
+def files(shipped: metadata.Distribution) -> set:
+    return {str(f) for f in shipped.files}
+
+
+def test_tests_run_against_the_installed_wheel_or_this_working_tree():
+    """The nox sessions: the wheel they installed, nothing of src/. An editable install: this working
+    tree's src/, for the package, the start-up module and ``torchpatch run``'s bootstrap alike."""
+    import _torchpatch_startup
     import torchpatch
+    from torchpatch._run import BOOTSTRAP
 
-    assert not torchpatch.__file__.startswith(str(REPO / "src"))
-    assert "direct_url.json" not in " ".join(FILES) or '"editable": true' not in (DIST.read_text("direct_url.json") or "")
+    src = REPO / "src"
+    served = {Path(path).resolve() for path in (torchpatch.__file__, _torchpatch_startup.__file__, BOOTSTRAP)}
+    if EDITABLE:
+        assert all(src in path.parents for path in served), served
+    else:
+        assert WHEEL and not any(src in path.parents for path in served), (WHEEL, served)
 
 
-def test_wheel_ships_engine_catalogue_and_start_up_hooks():
+def test_wheel_ships_engine_catalogue_and_start_up_hooks(files):
     for path in ("torchpatch/__init__.py", "torchpatch/patches/__init__.py", "torchpatch/patches/core/torch_six.py",
                  "torchpatch/patches/collectives/processgroup_deepcopy.py", "torchpatch/_bootstrap/sitecustomize.py",
                  "torchpatch.pth", "torchpatch.start", "_torchpatch_startup.py"):
-        assert path in FILES, path
-    assert not any(f.startswith("patches/") for f in FILES)  # no top-level package that could collide
+        assert path in files, path
+    assert not any(f.startswith("patches/") for f in files)  # no top-level package that could collide
 
 
-def test_torch_is_not_a_dependency():
-    requires = DIST.requires or []
+def test_torch_is_not_a_dependency(shipped):
+    requires = shipped.requires or []
     assert not any(r.split(";")[0].strip().lower().startswith("torch") for r in requires), requires
     assert any(r.startswith("wrapt") for r in requires) and any(r.startswith("packaging") for r in requires)
     assert any(r.startswith("pytest") and "extra ==" in r and "test" in r for r in requires)
@@ -57,17 +86,21 @@ def test_pep_829_start_entry_point_is_inert_when_off():
     assert "torchpatch" in run_json(code, env=clean_env(TORCHPATCH="1"))
 
 
-def test_wheel_ships_license_and_type_marker_and_metadata():
-    assert f"torchpatch-{DIST.version}.dist-info/licenses/LICENSE" in FILES
-    assert "torchpatch/py.typed" in FILES
-    assert DIST.read_text("licenses/LICENSE") == (REPO / "LICENSE").read_text()
+def test_wheel_ships_license_and_type_marker_and_metadata(shipped, files):
+    assert f"torchpatch-{shipped.version}.dist-info/licenses/LICENSE" in files
+    assert "torchpatch/py.typed" in files
+    assert shipped.read_text("licenses/LICENSE") == (REPO / "LICENSE").read_text()
     assert "Copyright (c) 2026, the torchpatch authors" in (REPO / "LICENSE").read_text()
-    meta = DIST.metadata
+    meta = shipped.metadata
     assert meta["License-Expression"] == "BSD-3-Clause"
     urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
     assert {"Homepage", "Source", "Issues", "Changelog", "Documentation"} <= set(urls), urls
     classifiers = meta.get_all("Classifier")
-    assert "Typing :: Typed" in classifiers and any(c.startswith("Programming Language :: Python :: 3") for c in classifiers)
+    assert "Typing :: Typed" in classifiers and "Programming Language :: Python :: 3 :: Only" in classifiers
+    pythons = [c.rsplit(" :: ", 1)[1] for c in classifiers if re.fullmatch(r"Programming Language :: Python :: 3\.\d+", c)]
+    assert pythons == TESTED_PYTHONS, pythons
+    if WHEEL:  # a nox session, as CI runs it: on a Python the classifiers name
+        assert f"{sys.version_info[0]}.{sys.version_info[1]}" in pythons, pythons
 
 
 def test_one_source_for_the_version():
@@ -104,3 +137,35 @@ def test_sdist_and_the_wheel_built_from_it_ship_license_changelog_and_type_marke
         license_text = whl.read(f"torchpatch-{version}.dist-info/licenses/LICENSE").decode()
     assert {"torchpatch/py.typed", "torchpatch/_version.py", "torchpatch.pth", "_torchpatch_startup.py"} <= files
     assert license_text == (REPO / "LICENSE").read_text()
+
+
+def test_an_editable_install_serves_the_working_tree(tmp_path):
+    """``pip install -e .`` into a fresh venv copies only the start-up hook's site files (hatch_build.py):
+    with TORCHPATCH=1 the start-up module is armed from src/, and ``torchpatch run``'s bootstrap
+    sitecustomize is src/torchpatch/_bootstrap's, so an edit to any of them is seen at the next start."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "-e",
+                    str(REPO)], check=True, capture_output=True)
+    probe = ("import json, sys, torchpatch; startup = sys.modules['_torchpatch_startup']; "
+             "print(json.dumps([m.__file__ for m in (startup, torchpatch, sys.modules['sitecustomize'])] + [startup.pending()]))")
+    proc = subprocess.run([str(venv / "bin" / "torchpatch"), "run", "--", str(venv / "bin" / "python"), "-c", probe],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    *served, armed = json.loads(proc.stdout.strip().splitlines()[-1])
+    src = REPO / "src"
+    assert served == [str(src / "_torchpatch_startup.py"), str(src / "torchpatch" / "__init__.py"),
+                      str(src / "torchpatch" / "_bootstrap" / "sitecustomize.py")] and armed
+
+
+def test_the_code_needs_no_python_newer_than_requires_python_admits():
+    """What pip installs on (requires-python) and what is tested (the classifiers) differ: the code in
+    src/ (and the build hook) uses no syntax, module, function or argument newer than the oldest Python
+    admitted (vermin), so that it at least imports and runs there."""
+    oldest = re.search(r'^requires-python = ">=(3\.\d+)"$', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    vermin = Path(sysconfig.get_path("scripts")) / "vermin"
+    if not vermin.exists():  # nox installs the test extra; a venv made otherwise may lack it
+        pytest.skip("vermin, of the test extra, is not installed: pip install -e '.[test]'")
+    proc = subprocess.run([str(vermin), f"--target={oldest}-", "--no-tips", "--violations", str(REPO / "src"),
+                           str(REPO / "hatch_build.py")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -32,8 +32,8 @@ HOW_TO_TELL = (
     "activated, or while armed and waiting for `import torch`) and torchpatch.status() (each armed "
     "patch: applied, not needed, failed, waiting)"
 )
-NO_HOOK_FIX = ("use `torchpatch run -- CMD`, or put sitecustomize_example.py on PYTHONPATH as sitecustomize.py "
-               "(docs/usage/clusters.md)")
+NO_HOOK_FIX = ("use `torchpatch run -- CMD`, or put the package's _bootstrap/sitecustomize.py on PYTHONPATH as "
+               "sitecustomize.py (docs/usage/clusters.md)")
 EXIT_CODES = f"""\
 Exit status: {OK} when nothing is wrong; {HAZARD} when a hazard is found (numpy 2 beside a torch built for
 numpy 1, two installed copies of torchpatch, TORCHPATCH on but the start-up hook did not run in this

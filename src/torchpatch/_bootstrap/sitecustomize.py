@@ -3,7 +3,7 @@
 Install once, as ``sitecustomize.py`` in a directory that every job has on ``PYTHONPATH`` (a shared
 filesystem, a container's site directory)::
 
-    cp sitecustomize_example.py /shared/pyboot/sitecustomize.py
+    cp src/torchpatch/_bootstrap/sitecustomize.py /shared/pyboot/sitecustomize.py   # or from the installed package
     export PYTHONPATH=/shared/pyboot${PYTHONPATH:+:$PYTHONPATH}
     TORCHPATCH=1 torchrun --nproc_per_node 8 train.py
 
@@ -11,7 +11,7 @@ It does what torchpatch's own ``.pth`` start-up hook does, for environments wher
 processed (``pip install --target``, a shared PYTHONPATH): with ``TORCHPATCH`` unset or off it imports
 nothing of torchpatch, and where torchpatch is not installed it does nothing. Then it imports the
 ``sitecustomize`` it shadows, if there is one, so an existing site customisation keeps working.
-``torchpatch run -- CMD`` uses this very file (the wheel ships it as torchpatch/_bootstrap/sitecustomize.py).
+``torchpatch run -- CMD`` uses this very file, torchpatch/_bootstrap/sitecustomize.py in the package.
 """
 
 import importlib
