@@ -150,7 +150,7 @@ def test_an_editable_install_serves_the_working_tree(tmp_path):
     probe = ("import json, sys, torchpatch; startup = sys.modules['_torchpatch_startup']; "
              "print(json.dumps([m.__file__ for m in (startup, torchpatch, sys.modules['sitecustomize'])] + [startup.pending()]))")
     proc = subprocess.run([str(venv / "bin" / "torchpatch"), "run", "--", str(venv / "bin" / "python"), "-c", probe],
-                          env=clean_env(), capture_output=True, text=True, timeout=120)
+                          env=clean_env(PYTHONPATH=None), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     *served, armed = json.loads(proc.stdout.strip().splitlines()[-1])
     src = REPO / "src"
