@@ -180,7 +180,7 @@ def test_served_equals_input_then_output_and_one_process(tmp_path):
     out = run(tmp_path)
     assert out["status"] == "applied"
     assert out["style_class"][2] == "torch.distributed.tensor.parallel.style"  # as torch 2.8's
-    assert out["source"].endswith("torchpatch/patches/tp_prepare_module_input_output.py"), out["source"]
+    assert out["source"].endswith("torchpatch/patches/tensor_parallel/tp_prepare_module_input_output.py"), out["source"]
     check_semantics(out)
 
 
