@@ -19,7 +19,7 @@ import pytest
 
 import forkserver
 from torchpatch import _versions
-from torchpatch._registry import catalogue_index
+from torchpatch._registry import catalogue_ranges
 
 # torchpatch's wheel as the nox session built and installed it (tests that install it elsewhere reuse it);
 # unset where torchpatch is installed editable from this working tree (the fixture ``wheel`` builds one).
@@ -49,7 +49,7 @@ def only_torch(spec: str, why: str = ""):
 
 
 # Each catalogue patch's torch specifier, as its Patch(...) declares it (the installed wheel's index).
-PATCH_TORCH = {patch_id: specs[0] for declared in catalogue_index().values() for patch_id, specs in declared.items()}
+PATCH_TORCH = catalogue_ranges()
 # The torch minor versions the catalogue covers, as far as tests reason about them.
 TORCH_MINORS = ["1.13"] + [f"2.{minor}" for minor in range(16)]
 

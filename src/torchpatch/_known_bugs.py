@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from . import _versions
 from ._plan import PatchPlan
-from ._registry import catalogue_data, catalogue_index
+from ._registry import catalogue_data, catalogue_ranges
 
 FILE = "silent_bugs.json"
 
 
 def entries() -> List[Dict[str, Any]]:
     """Every entry of ``patches/_data/silent_bugs.json``, as the file holds it."""
-    data = json.loads((Path(catalogue_data()) / FILE).read_text())
+    data = json.loads((catalogue_data() / FILE).read_text())
     return list(data["entries"])
 
 
@@ -36,7 +35,7 @@ def with_range(entry: Dict[str, Any], patch_torch: Mapping[str, str]) -> Dict[st
 @functools.lru_cache(maxsize=None)
 def known_bugs() -> List[Dict[str, Any]]:
     """Every known bug, with the torch versions it affects (the patches' from the catalogue index)."""
-    patch_torch = {patch_id: specs[0] for declared in catalogue_index().values() for patch_id, specs in declared.items()}
+    patch_torch = catalogue_ranges()
     return [with_range(entry, patch_torch) for entry in entries()]
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import pkgutil
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Callable, Dict, Iterable, List, Sequence, Tuple
 
@@ -55,21 +56,26 @@ def builtin_patches() -> List[Patch]:
     return _load(catalogue_modules())
 
 
-def catalogue_data() -> str:
+def catalogue_data() -> Path:
     """The folder of the catalogue's data (``torchpatch/patches/_data``)."""
     from . import patches as catalogue
 
-    return os.path.join(catalogue.__path__[0], DATA)
+    return Path(catalogue.__path__[0], DATA)
 
 
 def catalogue_index() -> Dict[str, Dict[str, List[str]]]:
     """Module name -> {patch id: [torch specifier, python specifier]}, as ``tools/patch_table.py
     --write`` recorded it from the modules (a test keeps the two in step); empty if absent."""
     try:
-        with open(os.path.join(catalogue_data(), INDEX), encoding="utf-8") as f:
+        with open(catalogue_data() / INDEX, encoding="utf-8") as f:
             return json.load(f)
     except OSError:
         return {}
+
+
+def catalogue_ranges() -> Dict[str, str]:
+    """Patch id -> its torch specifier, for every catalogue patch, from the index (no module imported)."""
+    return {patch_id: specs[0] for declared in catalogue_index().values() for patch_id, specs in declared.items()}
 
 
 def applicable_builtin_patches(applies: Callable[[str, str], bool]) -> Tuple[List[Patch], List[str]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 from .._registry import catalogue_data
@@ -37,15 +36,10 @@ class Result:
     note: str = ""
 
 
-def catalogue_dir() -> Path:
-    """The catalogue's data folder."""
-    return Path(catalogue_data())
-
-
 @functools.lru_cache(maxsize=None)
 def not_backportable() -> List[Dict[str, str]]:
     """The entries of ``patches/_data/not_backportable.json``: features torchpatch cannot serve."""
-    data = json.loads((catalogue_dir() / "not_backportable.json").read_text())
+    data = json.loads((catalogue_data() / "not_backportable.json").read_text())
     return list(data["entries"])
 
 

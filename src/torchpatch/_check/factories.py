@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from typing import Dict, FrozenSet
 
-from .base import catalogue_dir
+from .._registry import catalogue_data
 
-RETURNS: Dict[str, str] = json.loads((catalogue_dir() / "factories.json").read_text())["returns"]
+RETURNS: Dict[str, str] = json.loads((catalogue_data() / "factories.json").read_text())["returns"]
 
 # Functions whose calls make torch values: the scanner looks for their names where they are imported.
 FUNCTIONS: FrozenSet[str] = frozenset(key[:-2] for key in RETURNS if key.endswith("()") and "." not in key)

@@ -11,12 +11,13 @@ from pathlib import Path
 from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from .. import _versions
-from .base import ATTR, MISSING, MODULE, UNKNOWN, Lookup, catalogue_dir
+from .._registry import catalogue_data
+from .base import ATTR, MISSING, MODULE, UNKNOWN, Lookup
 
 
 def inventory_files() -> Dict[str, Path]:
     """Inventoried torch versions (release strings) and their files, oldest first."""
-    found = {p.name[len("torch-"):-len(".json.gz")]: p for p in (catalogue_dir() / "inventory").glob("torch-*.json.gz")}
+    found = {p.name[len("torch-"):-len(".json.gz")]: p for p in (catalogue_data() / "inventory").glob("torch-*.json.gz")}
     return dict(sorted(found.items(), key=lambda kv: _versions.release(kv[0]) or ()))
 
 
