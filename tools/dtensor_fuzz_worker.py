@@ -14,7 +14,6 @@ job after it.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
