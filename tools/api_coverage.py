@@ -175,8 +175,8 @@ HEAD = ["torch", "lacking", *STATES, "served share", "target", "met"]
 
 
 def summary(newest: Inventory, rows: Sequence[Coverage]) -> str:
-    lines = [f"Public names of torch {newest.version} ({len(public_names(newest))}) that each minor lacks natively, "
-             "with TORCHPATCH=1:", ""]
+    lines = [f"torch {newest.version} has {len(public_names(newest))} public names (modules included); those each "
+             "minor lacks natively, and what TORCHPATCH=1 makes of them there:", ""]
     table = [HEAD] + [_row(c) for c in rows]
     widths = [max(len(r[i]) for r in table) for i in range(len(HEAD))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table]
