@@ -65,9 +65,12 @@ def test_classify_each_lacking_name(monkeypatch):
     entry = {"name": "torch.distributed.blocked", "torch": ">=2.5", "what": "a kernel", "why": "needs CUDA code"}
     monkeypatch.setattr(api_coverage, "not_backportable_for",
                         lambda name: entry if name.startswith(entry["name"]) else None)
-    serving = Serving(symbols={("torch.distributed", "served_fn"): "some-patch"})
+    serving = Serving(symbols={("torch.distributed", "served_fn"): "some-patch",
+                               ("torch.distributed", "new_fn"): "some-patch"})  # served as a re-export only
     resolver = Resolver(InventoryView(OLDER, [OLDER, NEWEST]), OLDER.version, serving)
-    found = api_coverage.classify(api_coverage.public_names(NEWEST), resolver, OLDER.version)
+    homes = api_coverage.reexports(NEWEST)
+    assert homes == {"torch.distributed.distributed_c10d.new_fn": ["torch.distributed.new_fn"]}
+    found = api_coverage.classify(api_coverage.public_names(NEWEST), resolver, OLDER.version, homes)
     assert found.lacking == {
         "served": ["torch.distributed.served_fn"],
         "not servable": ["torch.distributed.blocked", "torch.distributed.blocked.x"],
@@ -76,6 +79,7 @@ def test_classify_each_lacking_name(monkeypatch):
         "unknown": ["torch.distributed.flaky", "torch.distributed.flaky.y"]}
     assert found.reasons["torch.distributed.blocked.x"] == "a kernel (torch >=2.5): needs CUDA code"
     assert "failed to import" in found.reasons["torch.distributed.flaky"]
+    assert found.reasons["torch.distributed.distributed_c10d.new_fn"] == "served as torch.distributed.new_fn"
     assert found.total == 6 and found.share("served") == pytest.approx(1 / 6)  # unknown ones aside
 
 

@@ -95,6 +95,23 @@ def public_names(inv: Inventory) -> List[str]:
     return sorted(out)
 
 
+def reexports(inv: Inventory) -> Dict[str, List[str]]:
+    """Public name -> the other public modules' names for the same class or function (its re-exports,
+    not counted themselves: ``torch.distributed.set_timeout`` for ``...distributed_c10d.set_timeout``)."""
+    counted = set(public_names(inv))
+    values = {n: inv.modules[n.rsplit(".", 1)[0]][n.rsplit(".", 1)[1]] for n in counted if n not in inv.modules}
+    homes = {value: n for n, value in values.items() if value}  # plain values ("") tell nothing of where from
+    out: Dict[str, List[str]] = {}
+    for module, names in inv.modules.items():
+        if not is_public_module(module):
+            continue
+        for name, value in names.items():
+            full = f"{module}.{name}"
+            if value in homes and full not in counted and not name.startswith("_"):
+                out.setdefault(homes[value], []).append(full)
+    return out
+
+
 @dataclass
 class Coverage:
     """One minor against the newest torch: its lacking public names, by state."""
@@ -112,8 +129,10 @@ class Coverage:
         return len(self.lacking[state]) / self.total if self.total else 1.0
 
 
-def classify(names: Iterable[str], resolver: Resolver, version: str) -> Coverage:
-    """The names that ``version`` lacks natively, each served, not servable, missing or unknown."""
+def classify(names: Iterable[str], resolver: Resolver, version: str,
+             homes: Optional[Dict[str, List[str]]] = None) -> Coverage:
+    """The names that ``version`` lacks natively, each served, not servable, missing or unknown; a
+    missing one that a patch serves under one of its re-exports (``homes``) says so in ``reasons``."""
     out = Coverage(version)
     for name in names:
         result = resolver.resolve(name)
@@ -132,6 +151,9 @@ def classify(names: Iterable[str], resolver: Resolver, version: str) -> Coverage
         else:
             assert result.status == MISSING, result
             out.lacking["missing"].append(name)
+            served_as = [h for h in (homes or {}).get(name, ()) if resolver.resolve(h).status == PATCHED]
+            if served_as:
+                out.reasons[name] = "served as " + ", ".join(served_as)
     return out
 
 
@@ -144,13 +166,13 @@ def coverage() -> Tuple[Inventory, List[Coverage]]:
     """The newest inventory and each older minor's coverage, from OLDEST up."""
     releases = minor_releases()
     newest, inventories, patches = releases[-1], all_inventories(), builtin_patches()
-    names = public_names(newest)
+    names, homes = public_names(newest), reexports(newest)
     out = []
     for inv in releases[:-1]:
         if (_versions.release(inv.version) or ())[:2] < OLDEST:
             continue
         resolver = Resolver(InventoryView(inv, inventories), inv.version, Serving.for_torch(inv.version, patches, Config()))
-        out.append(classify(names, resolver, inv.version))
+        out.append(classify(names, resolver, inv.version, homes))
     return newest, out
 
 
@@ -204,10 +226,12 @@ def names(newest: Inventory, c: Coverage) -> str:
             continue
         lines += ["", f"{state.upper()} ({len(c.lacking[state])}):"]
         for module, held in by_module(c.lacking[state], modules).items():
+            full = {n: module if n == "(the module)" else f"{module}.{n}" for n in held}
+            if state == "missing":  # a re-export served elsewhere is noted beside the name
+                held = [f"{n} ({c.reasons[full[n]]})" if full[n] in c.reasons else n for n in held]
             lines.append(f"  {module} ({len(held)}): {', '.join(held)}")
             if state != "missing":
-                reasons = dict.fromkeys(c.reasons[f"{module}.{n}" if n != "(the module)" else module] for n in held)
-                lines += [f"    why: {r}" for r in reasons]
+                lines += [f"    why: {r}" for r in dict.fromkeys(c.reasons[full[n]] for n in held)]
     return "\n".join(lines)
 
 
