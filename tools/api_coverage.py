@@ -69,29 +69,42 @@ def is_public_module(name: str) -> bool:
         part.startswith("_") for part in name.split("."))
 
 
+def home(value: str) -> Optional[str]:
+    """The module whose name a class or function recorded as ``"definer:qualname"`` counts under: its
+    definer without the private tail (``torch.distributed.tensor._api`` -> ``torch.distributed.tensor``);
+    None for a plain value (``""``), which tells nothing of where it comes from."""
+    if not value:
+        return None
+    parts = value.split(":", 1)[0].split(".")
+    while len(parts) > 1 and parts[-1].startswith("_"):
+        parts.pop()
+    return ".".join(parts)
+
+
 def defined_in(module: str, value: str) -> bool:
     """Whether an inventory's record of a name of ``module`` (``"module:qualname"`` for classes and
-    functions, ``""`` for plain values) says the name is defined there rather than imported."""
-    if not value:
-        return True
-    definer = value.split(":", 1)[0]
-    if definer == module or definer.startswith("torch._C"):
-        return True
-    return definer.startswith(module + ".") and any(p.startswith("_") for p in definer[len(module) + 1:].split("."))
+    functions, ``""`` for plain values) says the name is defined there (or in a private submodule of it)
+    rather than imported."""
+    return not value or home(value) == module
 
 
 def public_names(inv: Inventory) -> List[str]:
     """The dotted public names (modules and names, as DEFINITION says) of one inventory, sorted."""
+    modules = {m for m in inv.modules if is_public_module(m)}
     out = []
-    for module, names in inv.modules.items():
-        if not is_public_module(module):
-            continue
+    for module in modules:
+        names, listed = inv.modules[module], inv.exports.get(module)
         out.append(module)
         for name, value in names.items():
-            if (name.startswith("_") or value == "<module>" or name in LOGGERS
-                    or (not value and name in TYPING | FUTURE) or not defined_in(module, value)):
+            if value == "<module>":
                 continue
-            out.append(f"{module}.{name}")
+            if listed is not None:  # __all__: what it lists, counted once, where it is defined
+                if name in listed and not (home(value) in modules and home(value) != module
+                                           and name in (inv.exports.get(home(value)) or inv.modules[home(value)])):
+                    out.append(f"{module}.{name}")
+            elif not (name.startswith("_") or name in LOGGERS or (not value and name in TYPING | FUTURE)
+                      or not defined_in(module, value)):
+                out.append(f"{module}.{name}")
     return sorted(out)
 
 

@@ -5,7 +5,7 @@
 Imports every module under the roots below (each in a try: a module that fails to import natively is
 recorded as failing, with its error) and records, per module, every attribute name (dunder names
 aside) as ``"module:qualname"`` for classes and functions (where they are defined), ``"<module>"`` for
-submodules, and ``""`` for other values; the call signatures (annotations dropped) of the public functions and
+submodules, and ``""`` for other values; each module's ``__all__`` where it defines one (``exports``); the call signatures (annotations dropped) of the public functions and
 classes each module defines; and the members of every class that ``torch.distributed`` exposes (``classes``:
 ``"module:qualname" -> {"members": [...], "init": "(...)", "extends": [...]}``; ``extends`` names the big
 common bases, ``nn.Module`` and ``Tensor``, whose members are recorded once under ``bases`` instead of per class). ``walked`` and ``walk_skips`` say which packages were walked whole (a module
@@ -122,6 +122,7 @@ def inventory() -> Dict[str, object]:
     modules: Dict[str, object] = {}
     signatures: Dict[str, Dict[str, str]] = {}
     failing: Dict[str, str] = {}
+    exports: Dict[str, List[str]] = {}
     for name in module_names():
         try:
             module = importlib.import_module(name)
@@ -144,6 +145,9 @@ def inventory() -> Dict[str, object]:
                 except (TypeError, ValueError):
                     pass
         modules[name] = entries
+        listed = getattr(module, "__all__", None)
+        if isinstance(listed, (list, tuple)) and all(isinstance(n, str) for n in listed):
+            exports[name] = sorted(set(listed))
         if sigs:
             signatures[name] = sigs
     # Compatibility packages register some submodules in sys.modules without a file of their own
@@ -153,7 +157,7 @@ def inventory() -> Dict[str, object]:
         if name.startswith(roots) and name not in modules and isinstance(module, types.ModuleType):
             modules[name] = {a: _describe(getattr(module, a, None)) for a in dir(module) if not a.startswith("__")}
     return {"torch": torch.__version__.split("+")[0], "python": "%d.%d" % sys.version_info[:2],
-            "modules": modules, "signatures": signatures, "failing": failing,
+            "modules": modules, "signatures": signatures, "failing": failing, "exports": exports,
             "walked": WALK, "walk_skips": list(SKIP_PARTS), **class_members(modules)}
 
 

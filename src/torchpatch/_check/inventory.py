@@ -30,6 +30,8 @@ class Inventory:
         self.python: str = data.get("python", "?")
         self.modules: Dict[str, Dict[str, str]] = data["modules"]
         self.failing: Dict[str, str] = data["failing"]
+        # module -> its ``__all__`` (inventories taken since it was recorded; modules that define one)
+        self.exports: Dict[str, List[str]] = data.get("exports", {})
         self.walked: Tuple[str, ...] = tuple(data.get("walked", ()))
         self.walk_skips: Set[str] = set(data.get("walk_skips", ()))
         # "module:qualname" -> {"members": [...], "init": "(self, ...)" | None, "extends": [base, ...]}
