@@ -20,29 +20,35 @@ NEWEST = Inventory({"torch": "2.15.0", "walked": ["torch.distributed"], "failing
     "torch.distributed": {
         "old_fn": "torch.distributed:old_fn", "served_fn": "torch.distributed:served_fn",
         "Impl": "torch.distributed._impl:Impl",  # defined in a private submodule: public here
-        "Hook": "torch._C._distributed_c10d:Hook",  # a C binding: public here
+        "Hook": "torch._C._distributed_c10d:Hook",  # a C binding imported (no __all__ here): not public
         "new_fn": "torch.distributed.distributed_c10d:new_fn",  # re-exported: counted where defined
         "Sequence": "collections.abc:Sequence", "Optional": "", "annotations": "", "logger": "",
         "CONST": "", "_hidden": "torch.distributed:_hidden", "os": "<module>", "newmod": "<module>"},
-    "torch.distributed.distributed_c10d": {"new_fn": "torch.distributed.distributed_c10d:new_fn"},
-    "torch.distributed.newmod": {"thing": "torch.distributed.newmod:thing"},
+    "torch.distributed.distributed_c10d": {"new_fn": "torch.distributed.distributed_c10d:new_fn",
+                                           "Store": "torch._C._distributed_c10d:Store",  # listed: public
+                                           "Hidden": "torch._C._distributed_c10d:Hidden",  # not listed
+                                           "helper": "torch.distributed.distributed_c10d:helper"},
+    "torch.distributed.newmod": {"thing": "torch.distributed.newmod:thing",
+                                 "Reexported": "torch.distributed.blocked:x"},  # listed, counted in blocked
     "torch.distributed.blocked": {"x": "torch.distributed.blocked:x"},
     "torch.distributed.flaky": {"y": "torch.distributed.flaky:y"},
     "torch.distributed._private": {"pub": "torch.distributed._private:pub"},
     "torch.nn": {"Linear": "torch.nn:Linear"},
-}})
+}, "exports": {"torch.distributed.distributed_c10d": ["new_fn", "Store"],
+               "torch.distributed.newmod": ["thing", "Reexported"]}})
 OLDER = Inventory({"torch": "2.4.1", "walked": ["torch.distributed"], "modules": {
     "torch.distributed": {"old_fn": "torch.distributed:old_fn", "Impl": "torch.distributed._impl:Impl",
                           "Hook": "torch._C._distributed_c10d:Hook", "CONST": ""},
-    "torch.distributed.distributed_c10d": {},
+    "torch.distributed.distributed_c10d": {"Store": "torch._C._distributed_c10d:Store"},
 }, "failing": {"torch.distributed.flaky": "ModuleNotFoundError: No module named 'etcd'"}})
 
 
-def test_public_names_are_those_defined_in_public_modules():
+def test_public_names_are_those_listed_in_all_or_else_defined_in_public_modules():
     assert api_coverage.public_names(NEWEST) == [
-        "torch.distributed", "torch.distributed.CONST", "torch.distributed.Hook", "torch.distributed.Impl",
+        "torch.distributed", "torch.distributed.CONST", "torch.distributed.Impl",
         "torch.distributed.blocked", "torch.distributed.blocked.x",
-        "torch.distributed.distributed_c10d", "torch.distributed.distributed_c10d.new_fn",
+        "torch.distributed.distributed_c10d", "torch.distributed.distributed_c10d.Store",
+        "torch.distributed.distributed_c10d.new_fn",
         "torch.distributed.flaky", "torch.distributed.flaky.y",
         "torch.distributed.newmod", "torch.distributed.newmod.thing",
         "torch.distributed.old_fn", "torch.distributed.served_fn"]
@@ -53,7 +59,7 @@ def test_public_names_are_those_defined_in_public_modules():
     ("torch.distributed.tensor", "torch.distributed.tensor._api:DTensor", True),
     ("torch.distributed", "torch.distributed.device_mesh:DeviceMesh", False),  # a public submodule's
     ("torch.distributed.tensor", "torch.distributed._functional_collectives:wait", False),  # not beneath it
-    ("torch.distributed", "torch._C._distributed_c10d:Store", True),
+    ("torch.distributed", "torch._C._distributed_c10d:Store", False),  # a binding, imported
     ("torch.distributed", "typing:cast", False),
     ("torch.distributed", "", True),
 ])
@@ -69,7 +75,8 @@ def test_classify_each_lacking_name(monkeypatch):
                                ("torch.distributed", "new_fn"): "some-patch"})  # served as a re-export only
     resolver = Resolver(InventoryView(OLDER, [OLDER, NEWEST]), OLDER.version, serving)
     homes = api_coverage.reexports(NEWEST)
-    assert homes == {"torch.distributed.distributed_c10d.new_fn": ["torch.distributed.new_fn"]}
+    assert homes == {"torch.distributed.distributed_c10d.new_fn": ["torch.distributed.new_fn"],
+                     "torch.distributed.blocked.x": ["torch.distributed.newmod.Reexported"]}
     found = api_coverage.classify(api_coverage.public_names(NEWEST), resolver, OLDER.version, homes)
     assert found.lacking == {
         "served": ["torch.distributed.served_fn"],

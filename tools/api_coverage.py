@@ -14,11 +14,11 @@ torch under ROOTS that a minor lacks natively is, on that minor, with TORCHPATCH
 - **unknown**: the inventory cannot tell (the module failed to import when it was taken): listed apart,
   not counted as lacking nor in the served share.
 
-PUBLIC (below, in ``DEFINITION``) is decided from the newest inventory alone. Inventories do not record
-``__all__`` (``tools/inventory.py`` drops dunder names), nor where a plain value (a constant, a type
-alias, an instance) comes from, only where classes and functions are defined; so a name that a
-package re-exports from one of its public submodules (``torch.distributed.checkpoint.FsspecReader``)
-counts once, under the submodule that defines it.
+PUBLIC (below, in ``DEFINITION``) is decided from the newest inventory alone (its ``exports``: each
+module's ``__all__``). Inventories record where classes and functions are defined, not where a plain
+value (a constant, a type alias, an instance) comes from; so a name that a package re-exports from one
+of its public submodules (``torch.distributed.checkpoint.FsspecReader``) counts once, under the
+submodule that defines it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import argparse
 import sys
 import typing
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 from support_chart import minor_releases
 
@@ -54,12 +54,13 @@ FUTURE = frozenset(__future__.all_feature_names)  # ``from __future__ import ann
 DEFINITION = (
     "A module is public when it is under torch.distributed, torch.nn.attention or torch.utils.checkpoint and no "
     "dotted part of its name starts with `_`; each public module counts as one name. A name of a public module "
-    "is public when it does not start with `_` and is defined there: a class or function whose `__module__` is "
-    "that module, one of its private submodules (`torch.distributed.tensor._api.DTensor` is "
-    "`torch.distributed.tensor.DTensor`) or torch's C bindings (`torch._C...`), or a plain value (constant, "
-    "alias) other than a typing or `__future__` name or a module-level logger. Submodules count as modules, not as names. "
-    "Classes and functions imported from anywhere else are re-exports and count where they are defined. "
-    "(The inventories do not record `__all__`, so a re-export listed there is not counted twice.)")
+    "is public when the module's `__all__` lists it; in a module without `__all__`, when it does not start with "
+    "`_` and is defined there: a class or function whose `__module__` is that module or one of its private "
+    "submodules (`torch.distributed.tensor._api.DTensor` is `torch.distributed.tensor.DTensor`), or a plain value "
+    "(constant, alias) other than a typing or `__future__` name or a module-level logger. A class or function "
+    "listed by several public modules counts once, in the one that defines it (`FsspecReader` in "
+    "`torch.distributed.checkpoint.fsspec_filesystem`, not in `torch.distributed.checkpoint`); submodules count as "
+    "modules, not as names. Decided on the newest torch's inventory, which records each module's `__all__`.")
 LACKING = ("served", "not servable", "missing")  # the states of a name a minor is known to lack
 STATES = LACKING + ("unknown",)  # unknown: not counted as lacking (nor in the shares)
 
@@ -88,6 +89,15 @@ def defined_in(module: str, value: str) -> bool:
     return not value or home(value) == module
 
 
+def _counted_at_home(inv: Inventory, modules: Set[str], module: str, value: str) -> bool:
+    """Whether a class or function that ``module`` lists is another public module's own (a re-export)."""
+    where = home(value)
+    if where is None or where == module or where not in modules:
+        return False
+    qualname = value.split(":", 1)[1]
+    return qualname in (inv.exports.get(where) or inv.modules[where])
+
+
 def public_names(inv: Inventory) -> List[str]:
     """The dotted public names (modules and names, as DEFINITION says) of one inventory, sorted."""
     modules = {m for m in inv.modules if is_public_module(m)}
@@ -99,8 +109,7 @@ def public_names(inv: Inventory) -> List[str]:
             if value == "<module>":
                 continue
             if listed is not None:  # __all__: what it lists, counted once, where it is defined
-                if name in listed and not (home(value) in modules and home(value) != module
-                                           and name in (inv.exports.get(home(value)) or inv.modules[home(value)])):
+                if name in listed and not _counted_at_home(inv, modules, module, value):
                     out.append(f"{module}.{name}")
             elif not (name.startswith("_") or name in LOGGERS or (not value and name in TYPING | FUTURE)
                       or not defined_in(module, value)):
