@@ -184,18 +184,19 @@ def target(version: str) -> Optional[float]:
     return next((share for first, last, share in TARGETS if first <= minor <= last), None)
 
 
+def coverage_of(inv: Inventory, newest: Inventory) -> Coverage:
+    """One inventoried release's coverage of the newest torch's public names (every patch on)."""
+    resolver = Resolver(InventoryView(inv, all_inventories()), inv.version,
+                        Serving.for_torch(inv.version, builtin_patches(), Config()))
+    return classify(public_names(newest), resolver, inv.version, reexports(newest))
+
+
 def coverage() -> Tuple[Inventory, List[Coverage]]:
     """The newest inventory and each older minor's coverage, from OLDEST up."""
     releases = minor_releases()
-    newest, inventories, patches = releases[-1], all_inventories(), builtin_patches()
-    names, homes = public_names(newest), reexports(newest)
-    out = []
-    for inv in releases[:-1]:
-        if (_versions.release(inv.version) or ())[:2] < OLDEST:
-            continue
-        resolver = Resolver(InventoryView(inv, inventories), inv.version, Serving.for_torch(inv.version, patches, Config()))
-        out.append(classify(names, resolver, inv.version, homes))
-    return newest, out
+    newest = releases[-1]
+    return newest, [coverage_of(inv, newest) for inv in releases[:-1]
+                    if (_versions.release(inv.version) or ())[:2] >= OLDEST]
 
 
 def by_module(names: Sequence[str], modules: Iterable[str]) -> Dict[str, List[str]]:
