@@ -1,6 +1,7 @@
 """Generate, from the patches' own metadata: the README's count of the catalogue; the docs' catalogue
 tables (one per subsystem, the folder of the patch's module) and their table of known silent bugs
-(``patches/_data/silent_bugs.json``); the support chart (``tools/support_chart.py``); the catalogue's
+(``patches/_data/silent_bugs.json``); the coverage of the newest public API on older minors
+(``tools/api_coverage.py``); the support chart (``tools/support_chart.py``); the catalogue's
 index (``patches/_data/index.json``: each module's patch ids with their torch and Python specifiers,
 which lets activation import only the patch modules that can apply to the installed torch).
 
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Dict, List
 
+import api_coverage
 from support_chart import svg
 
 from torchpatch._known_bugs import entries, with_range
@@ -87,6 +89,7 @@ TABLES: Dict[Path, Dict[str, Callable[[], str]]] = {
     ROOT / "README.md": {"catalogue-size": catalogue_size},
     DOCS / "patches" / "index.md": {"patch-table": table},
     DOCS / "silent-bugs.md": {"silent-bugs": bugs_table},
+    DOCS / "patches" / "newest-api.md": {"api-coverage": lambda: api_coverage.markdown(*api_coverage.coverage())},
 }
 
 
