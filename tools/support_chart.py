@@ -26,6 +26,7 @@ FEATURE_SUBSYSTEM = {
     "torch.distributed.tensor.experimental.context_parallel": "dtensor",
     "torch.distributed._symmetric_memory": "collectives",
     "torch.distributed._dist2": "collectives",
+    "torch.distributed.debug": "collectives",
     "torch.uint16": "core",
     "torch.uint32": "core",
     "torch.uint64": "core",
