@@ -55,10 +55,12 @@ def test_lookup_by_name():
              "'PipelineScheduleSingle', 'PipelineScheduleMulti', 'ZBVZeroBubble', 'DualPipeV']")
     for bad in ("nope", "interleaved_1f1b", ""):
         assert o[bad] == f"ValueError: Unknown schedule name '{bad}'. The valid options are {valid}"
-    # ZBVZeroBubble (torch 2.6) is served on 2.4 by pipelining-zbv.
+    # ZBVZeroBubble (torch 2.6) and InterleavedZeroBubble (2.5) are served on 2.4 by pipelining-zbv and
+    # pipelining-interleaved-zb.
     assert o["ZBVZeroBubble"] == o["zbvzerobubble"] == "ScheduleZBVZeroBubble"
+    assert o["InterleavedZeroBubble"] == "ScheduleInterleavedZeroBubble"
     # Known to newer torch, absent here: a clear error naming the release that has it.
-    for name, since in (("InterleavedZeroBubble", "2.5"), ("DualPipeV", "2.9")):
+    for name, since in (("DualPipeV", "2.9"),):
         assert o[name].startswith(f"ValueError: Schedule '{name}' (Schedule"), o[name]
         assert f"needs torch >= {since}; the installed torch 2.4" in o[name]
         assert "'GPipe'" in o[name] and "'DualPipeV'" not in o[name].split("available here")[1]
