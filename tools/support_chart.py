@@ -31,6 +31,10 @@ FEATURE_SUBSYSTEM = {
     "torch.uint64": "core",
     "torch.profiler._pattern_matcher": "profiler",
     "torch.cuda._annotate_cuda_graph_trace": "profiler",
+    **{f"torch.distributed.distributed_c10d.{name}": "collectives" for name in (
+        "set_timeout", "shrink_group", "record_comm", "ProcessGroupNCCL", "ProcessGroupNCCL2", "ProcessGroupNCCLLazy")},
+    "torch.distributed.set_timeout": "collectives",
+    "torch.distributed.QueueEmptyError": "collectives",
 }
 STATES = {  # state: (fill, text colour, mark after the number of patches)
     "native": ("#e4e8ec", "#2d333a", ""),
