@@ -22,9 +22,12 @@ Torch:         of the ten functions served here (all_reduce, all_gather_tensor, 
                multi-output collective), which every older torch lacks.
 Fix:           where the module is missing, serve it with all ten; where it exists, serve only the
                functions it lacks (torch's own are never replaced). The new names are the module's
-               own function of the old name (torch's where it has it, this patch's where it is served;
-               a ``*_autograd`` name that torch lacks, as 2.1-2.3 do, is this patch's differentiable
-               function), and ``wait_tensors`` the module's ``wait_tensor`` of each tensor. Signatures are torch 2.13's; behaviour:
+               own function of the old name (torch's where it has it, this patch's where it is served);
+               the two ``*_autograd`` names are the plain function, as in 2.13 (``all_gather_single_autograd``
+               calls ``all_gather_single``), differentiable on 2.4-2.12 through funcol-autograd (torch 2.4's
+               own ``all_gather_tensor_autograd`` fails in backward now and then on gloo: "A view was
+               created in no_grad mode ..."), and this patch's differentiable function before 2.4;
+               ``wait_tensors`` is the module's ``wait_tensor`` of each tensor. Signatures are torch 2.13's; behaviour:
                - Synchronous: each call finishes its collective and returns a new plain tensor (torch
                  returns an AsyncCollectiveTensor that waits on first use); ``wait_tensor`` returns its
                  argument. Inputs are never modified.
@@ -393,21 +396,26 @@ FUNCTIONS: Dict[str, Callable[..., Any]] = {
 }
 
 
-# torch 2.13's names -> the names of the same functions before (torch 2.4 has all six old names)
+# torch 2.13's names -> the names of the functions computing the same before (2.13's ``*_autograd`` call
+# the plain function, differentiable from 2.13 on, and from 2.4 on with funcol-autograd)
 RENAMED: Dict[str, str] = {
     "all_gather_single": "all_gather_tensor",
-    "all_gather_single_autograd": "all_gather_tensor_autograd",
+    "all_gather_single_autograd": "all_gather_tensor",
     "reduce_scatter_single": "reduce_scatter_tensor",
-    "reduce_scatter_single_autograd": "reduce_scatter_tensor_autograd",
+    "reduce_scatter_single_autograd": "reduce_scatter_tensor",
     "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
     "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
 }
 
 
-def _old_function(module: ModuleType, old: str) -> Callable[..., Any]:
-    """``module``'s function named ``old``; this patch's differentiable one for a missing ``*_autograd``."""
-    found = getattr(module, old, None)
-    return found if found is not None else FUNCTIONS[old.replace("_autograd", "")]
+def _old_function(module: ModuleType, new: str) -> Callable[..., Any]:
+    """``module``'s function computing what ``new`` computes in torch 2.13; for a ``*_autograd`` name on
+    a torch without the ``*_autograd`` functions (before 2.4), whose own are not differentiable, this
+    patch's."""
+    old = RENAMED[new]
+    if new.endswith("_autograd") and not hasattr(module, old + "_autograd"):
+        return FUNCTIONS[old]
+    return getattr(module, old)
 
 
 def wait_tensors(tensors: List["torch.Tensor"]) -> List["torch.Tensor"]:
@@ -428,8 +436,8 @@ def build(module: ModuleType) -> None:
     module.__all__ = list(FUNCTIONS) + list(RENAMED) + ["wait_tensors"]
     for name, fn in FUNCTIONS.items():
         setattr(module, name, fn)
-    for new, old in RENAMED.items():
-        setattr(module, new, _old_function(module, old))
+    for new in RENAMED:
+        setattr(module, new, _old_function(module, new))
     module.wait_tensors = wait_tensors
 
 
@@ -437,17 +445,17 @@ def _serve(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
 
 
-def _serve_renamed(old: str) -> Callable[[], Callable[..., Any]]:
+def _serve_renamed(new: str) -> Callable[[], Callable[..., Any]]:
     def factory() -> Callable[..., Any]:
         import importlib
 
-        return _old_function(importlib.import_module(MODULE), old)
+        return _old_function(importlib.import_module(MODULE), new)
 
     return factory
 
 
 for _name, _fn in FUNCTIONS.items():
     PATCH.symbol(MODULE, _name)(_serve(_fn))
-for _new, _old in RENAMED.items():
-    PATCH.symbol(MODULE, _new)(_serve_renamed(_old))
+for _new in RENAMED:
+    PATCH.symbol(MODULE, _new)(_serve_renamed(_new))
 PATCH.symbol(MODULE, "wait_tensors")(_serve(wait_tensors))
