@@ -1,4 +1,5 @@
-"""functional-collectives: the module served on torch 1.13, its missing functions on 2.1, nothing on >= 2.4.
+"""functional-collectives: the module served on torch 1.13, its missing functions on 2.1, the names of
+torch 2.13 (``*_single``) before 2.13 and ``wait_tensors`` before 2.15.
 
 One 2-rank gloo script computes every case twice, with the functions the module offers (torch's,
 torchpatch's where served) and with torchpatch's implementation imported directly, and compares each
@@ -292,11 +293,98 @@ print(json.dumps({"functions": {n: [getattr(m, n).__module__, getattr(m, n).__co
 """.replace("NAMES", repr(NAMES))
 
 
-@only_torch(">=2.4", "where torch has every function, the patch stays inactive")
-def test_inactive_where_torch_has_everything():
+@only_torch(">=2.4", "torch has all ten functions: torchpatch serves only the newer names (until 2.15)")
+def test_torch_functions_kept_where_torch_has_them():
     patched = run_json(IDENTITY, env=clean_env(TORCHPATCH="1"))
     native = run_json(IDENTITY)
     assert patched["functions"] == native["functions"]
     assert all(module == MODULE for module, _, _ in patched["functions"].values())
-    assert patched["status"] == "not needed" and native["status"] is None
+    assert patched["status"] == ("not needed" if torch_matches(">=2.15") else "applied") and native["status"] is None
     assert patched["same_signatures"] == {name: True for name in NAMES}  # torchpatch's match torch's
+
+
+# torch 2.13's new names -> the old name computing the same (2.13's *_autograd call the plain function)
+RENAMED = {"all_gather_single": "all_gather_tensor", "all_gather_single_autograd": "all_gather_tensor",
+           "reduce_scatter_single": "reduce_scatter_tensor", "reduce_scatter_single_autograd": "reduce_scatter_tensor",
+           "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+           "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced"}
+
+RENAMED_SCRIPT = r"""
+import json, warnings, torch, torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+warnings.simplefilter("ignore", FutureWarning)  # the old names are deprecated from 2.13 on
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+both = dist.new_group(list(range(world)))
+
+def data(r, rows=4):
+    return torch.randn(rows, 3, generator=torch.Generator().manual_seed(20 + r), dtype=torch.float64)
+
+def waited(t):
+    return t.wait() if hasattr(t, "wait") else t
+
+def run(name, group, grad):  # (result, gradient of the input) of one function on this rank's data
+    x = data(rank).requires_grad_(grad)
+    fn = getattr(funcol, name)
+    if "coalesced" in name:
+        args = ([x, 2 * x], group) if name.startswith("all_gather") else ([x, 2 * x], "sum", [0, 0], group)
+        return [waited(y).detach() for y in fn(*args)], None
+    y = waited(fn(x, 0, group) if name.startswith("all_gather") else fn(x, "sum", 0, group))
+    if not x.requires_grad:
+        return y, None
+    (y * torch.arange(y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+    return y.detach(), x.grad
+
+everyone = [data(r) for r in range(world)]
+reference = {  # one process with every rank's tensor
+    "all_gather": torch.cat(everyone),
+    "reduce_scatter": sum(everyone).chunk(world)[rank],
+    "all_gather_coalesced": [torch.cat(everyone), torch.cat([2 * t for t in everyone])],
+    "reduce_scatter_coalesced": [sum(everyone).chunk(world)[rank], (2 * sum(everyone)).chunk(world)[rank]],
+}
+out = {}
+for group_name, group in (("default", dist.group.WORLD), ("both", both)):
+    for new, old in RENAMED.items():
+        grad = new.endswith("_autograd")
+        (y_new, g_new), (y_old, g_old) = run(new, group, grad), run(old, group, grad)
+        ref = reference[new.split("_single")[0] + ("_coalesced" if "coalesced" in new else "")]
+        same = (all(torch.equal(a, b) for a, b in zip(y_new, y_old)) if isinstance(y_new, list)
+                else torch.equal(y_new, y_old) and (g_new is None) == (g_old is None) and (g_new is None or torch.equal(g_new, g_old)))
+        right = (all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(y_new, ref)) if isinstance(y_new, list)
+                 else torch.allclose(y_new, ref, rtol=1e-12, atol=0))
+        out[f"{group_name}/{new}"] = [same, right]
+    # the gradient of all_gather: the sum over ranks of the output gradient's rows of this rank
+    _, grad = run("all_gather_single_autograd", group, True)
+    weights = torch.arange(4 * world * 3, dtype=torch.float64).view(4 * world, 3)
+    out[f"{group_name}/all_gather_grad"] = torch.allclose(grad, world * weights[4 * rank:4 * rank + 4], rtol=1e-12, atol=0)
+ys = [funcol.all_reduce(data(rank), "sum", both), funcol.all_reduce(2 * data(rank), "sum", both)]
+waited_list = funcol.wait_tensors(ys)
+out["wait_tensors"] = [len(waited_list) == 2, torch.equal(waited(waited_list[0]), sum(everyone)),
+                       torch.equal(waited(waited_list[1]), 2 * sum(everyone))]
+gathered = [None] * world
+dist.all_gather_object(gathered, out)
+if rank == 0:
+    print(RESULT + json.dumps(gathered), flush=True)
+import os
+dist.barrier()
+os._exit(0)
+""".replace("RESULT", repr(RESULT)).replace("RENAMED", repr(RENAMED))
+
+
+@only_torch(">=2.4", "served before 2.13 (wait_tensors before 2.15), then torch's own (2.15: the reference)")
+def test_new_names_compute_what_the_old_names_and_one_process_do(tmp_path):
+    ranks = rank_result(run_ranks(RENAMED_SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1")))
+    for out in ranks:
+        assert len(out) == 2 * len(RENAMED) + 3 and all(v is True or all(v) for v in out.values()), out
+
+
+NEW_NAMES = """
+import json, torch.distributed._functional_collectives as funcol
+print(json.dumps([hasattr(funcol, name) for name in NAMES]))
+""".replace("NAMES", repr(list(RENAMED) + ["wait_tensors"]))
+
+
+@only_torch(">=2.4,<2.15", "torch 2.4-2.12 lack the new names, 2.13-2.14 wait_tensors")
+def test_new_names_missing_natively_served_with_torchpatch():
+    assert not all(run_json(NEW_NAMES, env=clean_env()))
+    assert all(run_json(NEW_NAMES, env=clean_env(TORCHPATCH="1")))

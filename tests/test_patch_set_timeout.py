@@ -19,6 +19,7 @@ try:
     for group in (None, sub):
         dist.set_timeout(datetime.timedelta(seconds=2), group)
     out["served_as"] = dist.set_timeout.__module__ + "." + dist.set_timeout.__name__
+    out["c10d_same"] = dist.distributed_c10d.set_timeout is dist.set_timeout
 except AttributeError as exc:
     out["error"] = f"AttributeError: {exc}"
 if "error" not in out and rank == 0:  # rank 1 never joins these: each must give up after the group's timeout
@@ -77,6 +78,7 @@ def check_timeouts(out):
 def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["status"] == "applied" and out["served_as"] == "torch.distributed.distributed_c10d._set_pg_timeout", out
+    assert out["c10d_same"] is True, out
     check_timeouts(out)
 
 
@@ -84,4 +86,5 @@ def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
 def test_inactive_and_native_semantics(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["status"] is None and out["served_as"] == "torch.distributed.distributed_c10d.set_timeout", out
+    assert out["c10d_same"] is True, out
     check_timeouts(out)

@@ -18,22 +18,23 @@ from torchpatch._check.serving import Serving
 from torchpatch._config import Config
 from torchpatch._patch import Patch
 
-# not_backportable.json names torch's features, not the catalogue's folders: the subsystem of each
-# entry (an entry missing here stops the chart until it is placed)
-FEATURE_SUBSYSTEM = {
+# not_backportable.json names torch's features, not the catalogue's folders: an entry's subsystem is that
+# of the longest of these module prefixes its name starts with (an entry none fits stops the chart)
+SUBSYSTEM_BY_PREFIX = {
+    "torch.distributed": "collectives",
+    "torch.distributed.fsdp": "fsdp",
     "torch.distributed._composable.fsdp": "fsdp",
-    "torch.distributed.fsdp.fully_shard": "fsdp",
-    "torch.distributed.tensor.experimental.context_parallel": "dtensor",
-    "torch.distributed._symmetric_memory": "collectives",
-    "torch.distributed._dist2": "collectives",
-    "torch.distributed.debug": "collectives",
+    "torch.distributed.tensor": "dtensor",
+    "torch.distributed.checkpoint": "checkpoint",
+    "torch.distributed.pipelining": "pipelining",
+    "torch.distributed.elastic": "torchrun",
+    "torch.nn.attention": "attention",
+    "torch.utils.checkpoint": "activation_checkpoint",
+    "torch.profiler": "profiler",
+    "torch.cuda._annotate_cuda_graph_trace": "profiler",
     "torch.uint16": "core",
     "torch.uint32": "core",
     "torch.uint64": "core",
-    "torch.profiler._pattern_matcher": "profiler",
-    "torch.cuda._annotate_cuda_graph_trace": "profiler",
-    "torch.distributed.fsdp.GradientReductionHandle": "fsdp",
-    "torch.distributed.fsdp.DataParallelMeshDims": "fsdp",
 }
 STATES = {  # state: (fill, text colour, mark after the number of patches)
     "native": ("#e4e8ec", "#2d333a", ""),
@@ -86,10 +87,11 @@ def features_by_subsystem(subsystems: Sequence[str]) -> Dict[str, List[Dict[str,
     """not_backportable.json's entries under their subsystems; ValueError for one not placed."""
     out: Dict[str, List[Dict[str, str]]] = {}
     for entry in not_backportable():
-        subsystem = FEATURE_SUBSYSTEM.get(entry["name"])
+        prefixes = [p for p in SUBSYSTEM_BY_PREFIX if entry["name"] == p or entry["name"].startswith(p + ".")]
+        subsystem = SUBSYSTEM_BY_PREFIX[max(prefixes, key=len)] if prefixes else None
         if subsystem not in subsystems:
             raise ValueError(f"not_backportable.json's {entry['name']}: give it a subsystem of the catalogue "
-                             f"({', '.join(subsystems)}) in FEATURE_SUBSYSTEM of tools/support_chart.py")
+                             f"({', '.join(subsystems)}) in SUBSYSTEM_BY_PREFIX of tools/support_chart.py")
         out.setdefault(subsystem, []).append(entry)
     return out
 

@@ -12,10 +12,22 @@ Torch:         of the ten functions served here (all_reduce, all_gather_tensor, 
                all_reduce_coalesced, wait_tensor, broadcast, permute_tensor), torch lacks
                    1.13.1         the whole module (it arrived in 2.0)
                    2.1.2          all_to_all_single, broadcast, permute_tensor
-                   2.4.1, 2.9.0   none, nor do 2.13.0 (the reference), 2.14.1 and 2.15.0: there the
-                                  patch stays inactive
+                   2.4.1, 2.9.0   none, nor do 2.13.0 (the reference), 2.14.1 and 2.15.0
+               Torch 2.13 renamed six of them (the old names warn FutureWarning from 2.13 on):
+               all_gather_single (all_gather_tensor), reduce_scatter_single (reduce_scatter_tensor),
+               their ``*_autograd`` forms (all_gather_tensor_autograd, reduce_scatter_tensor_autograd,
+               which torch 2.4 has), all_gather_single_coalesced (all_gather_into_tensor_coalesced),
+               reduce_scatter_single_coalesced (reduce_scatter_tensor_coalesced): every torch before
+               2.13 lacks the new names. 2.15 added ``wait_tensors(tensors)`` (the waited tensors of a
+               multi-output collective), which every older torch lacks.
 Fix:           where the module is missing, serve it with all ten; where it exists, serve only the
-               functions it lacks (torch's own are never replaced). Signatures are torch 2.13's; behaviour:
+               functions it lacks (torch's own are never replaced). The new names are the module's
+               own function of the old name (torch's where it has it, this patch's where it is served);
+               the two ``*_autograd`` names are the plain function, as in 2.13 (``all_gather_single_autograd``
+               calls ``all_gather_single``), differentiable on 2.4-2.12 through funcol-autograd (torch 2.4's
+               own ``all_gather_tensor_autograd`` fails in backward now and then on gloo: "A view was
+               created in no_grad mode ..."), and this patch's differentiable function before 2.4;
+               ``wait_tensors`` is the module's ``wait_tensor`` of each tensor. Signatures are torch 2.13's; behaviour:
                - Synchronous: each call finishes its collective and returns a new plain tensor (torch
                  returns an AsyncCollectiveTensor that waits on first use); ``wait_tensor`` returns its
                  argument. Inputs are never modified.
@@ -59,7 +71,9 @@ MODULE = "torch.distributed._functional_collectives"
 
 PATCH = Patch(
     id="functional-collectives",
-    summary="torch.distributed._functional_collectives where it is missing (1.13), its missing functions elsewhere (2.1: all_to_all_single, broadcast, permute_tensor)",
+    summary="torch.distributed._functional_collectives where it is missing (1.13), its missing functions elsewhere "
+    "(2.1: all_to_all_single, broadcast, permute_tensor; before 2.13: the *_single names of torch 2.13; before "
+    "2.15: wait_tensors)",
     torch=">=1.13",
     upstream="https://github.com/pytorch/pytorch/issues/93173",
 )
@@ -382,6 +396,36 @@ FUNCTIONS: Dict[str, Callable[..., Any]] = {
 }
 
 
+# torch 2.13's names -> the names of the functions computing the same before (2.13's ``*_autograd`` call
+# the plain function, differentiable from 2.13 on, and from 2.4 on with funcol-autograd)
+RENAMED: Dict[str, str] = {
+    "all_gather_single": "all_gather_tensor",
+    "all_gather_single_autograd": "all_gather_tensor",
+    "reduce_scatter_single": "reduce_scatter_tensor",
+    "reduce_scatter_single_autograd": "reduce_scatter_tensor",
+    "all_gather_single_coalesced": "all_gather_into_tensor_coalesced",
+    "reduce_scatter_single_coalesced": "reduce_scatter_tensor_coalesced",
+}
+
+
+def _old_function(module: ModuleType, new: str) -> Callable[..., Any]:
+    """``module``'s function computing what ``new`` computes in torch 2.13; for a ``*_autograd`` name on
+    a torch without the ``*_autograd`` functions (before 2.4), whose own are not differentiable, this
+    patch's."""
+    old = RENAMED[new]
+    if new.endswith("_autograd") and not hasattr(module, old + "_autograd"):
+        return FUNCTIONS[old]
+    return getattr(module, old)
+
+
+def wait_tensors(tensors: List["torch.Tensor"]) -> List["torch.Tensor"]:
+    """Wait on tensors returned by the same multi-output collective: each one's ``wait_tensor``."""
+    import importlib
+
+    wait_tensor = importlib.import_module(MODULE).wait_tensor
+    return [wait_tensor(t) for t in tensors]
+
+
 @PATCH.module(MODULE)
 def build(module: ModuleType) -> None:
     import torch.distributed as dist
@@ -389,14 +433,29 @@ def build(module: ModuleType) -> None:
     if not dist.is_available():
         raise RuntimeError("this torch is built without torch.distributed")
     module.__doc__ = "torchpatch's synchronous functional collectives (torch 2.13 signatures)."
-    module.__all__ = list(FUNCTIONS)
+    module.__all__ = list(FUNCTIONS) + list(RENAMED) + ["wait_tensors"]
     for name, fn in FUNCTIONS.items():
         setattr(module, name, fn)
+    for new in RENAMED:
+        setattr(module, new, _old_function(module, new))
+    module.wait_tensors = wait_tensors
 
 
 def _serve(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
     return lambda: fn
 
 
+def _serve_renamed(new: str) -> Callable[[], Callable[..., Any]]:
+    def factory() -> Callable[..., Any]:
+        import importlib
+
+        return _old_function(importlib.import_module(MODULE), new)
+
+    return factory
+
+
 for _name, _fn in FUNCTIONS.items():
     PATCH.symbol(MODULE, _name)(_serve(_fn))
+for _new in RENAMED:
+    PATCH.symbol(MODULE, _new)(_serve_renamed(_new))
+PATCH.symbol(MODULE, "wait_tensors")(_serve(wait_tensors))
