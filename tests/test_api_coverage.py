@@ -96,3 +96,18 @@ def test_targets_and_grouping():
     grouped = api_coverage.by_module(["torch.distributed.newmod", "torch.distributed.newmod.thing", "torch.distributed.a.b"],
                                      ["torch.distributed", "torch.distributed.newmod"])
     assert grouped == {"torch.distributed.newmod": ["(the module)", "thing"], "torch.distributed": ["a.b"]}
+
+
+def test_backend_classes_count_only_between_builds_that_have_the_backend():
+    cpu = Inventory({"torch": "2.13.0", "failing": {}, "modules": {"torch.distributed.distributed_c10d": {}}})
+    cuda = Inventory({"torch": "2.13.0", "failing": {}, "modules": {
+        "torch.distributed.distributed_c10d": {"ProcessGroupNCCL": "torch.distributed.distributed_c10d:ProcessGroupNCCL"}}})
+    assert sorted(api_coverage.not_built(cpu)) == [
+        "torch.distributed.distributed_c10d.ProcessGroupNCCL", "torch.distributed.distributed_c10d.ProcessGroupNCCL2",
+        "torch.distributed.distributed_c10d.ProcessGroupNCCLLazy"]
+    assert api_coverage.not_built(cuda) == {}
+    resolver = Resolver(InventoryView(cpu, [cpu, NEWEST]), cpu.version, Serving())
+    found = api_coverage.classify(["torch.distributed.distributed_c10d.ProcessGroupNCCL"], resolver, cpu.version,
+                                  unbuilt=api_coverage.not_built(cpu))
+    assert found.lacking["unknown"] == ["torch.distributed.distributed_c10d.ProcessGroupNCCL"] and found.total == 0
+    assert "build without NCCL" in found.reasons["torch.distributed.distributed_c10d.ProcessGroupNCCL"]

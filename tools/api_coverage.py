@@ -11,8 +11,9 @@ torch under ROOTS that a minor lacks natively is, on that minor, with TORCHPATCH
 - **served**: the engine's resolver (``torchpatch check``'s) finds it through a patch;
 - **not servable**: an entry of ``not_backportable.json`` covers it (its reason is printed);
 - **missing**: neither (the work list of issue 27);
-- **unknown**: the inventory cannot tell (the module failed to import when it was taken): listed apart,
-  not counted as lacking nor in the served share.
+- **unknown**: the inventory cannot tell (the module failed to import when it was taken), or the name
+  is a backend class that the inventoried build was compiled without (the NCCL classes on a CPU-only
+  build): listed apart, not counted as lacking nor in the served share.
 
 PUBLIC (below, in ``DEFINITION``) is decided from the newest inventory alone (its ``exports``: each
 module's ``__all__``). Inventories record where classes and functions are defined, not where a plain
@@ -61,6 +62,10 @@ DEFINITION = (
     "listed by several public modules counts once, in the one that defines it (`FsspecReader` in "
     "`torch.distributed.checkpoint.fsspec_filesystem`, not in `torch.distributed.checkpoint`); submodules count as "
     "modules, not as names. Decided on the newest torch's inventory, which records each module's `__all__`.")
+# distributed_c10d lists a backend's classes in __all__ only where torch was built with that backend: name
+# -> (backend, the class whose absence says the inventoried build lacks it)
+BACKEND_CLASSES = {name: ("NCCL", "ProcessGroupNCCL")
+                   for name in ("ProcessGroupNCCL", "ProcessGroupNCCL2", "ProcessGroupNCCLLazy")}
 LACKING = ("served", "not servable", "missing")  # the states of a name a minor is known to lack
 STATES = LACKING + ("unknown",)  # unknown: not counted as lacking (nor in the shares)
 
@@ -151,12 +156,26 @@ class Coverage:
         return len(self.lacking[state]) / self.total if self.total else 1.0
 
 
+def not_built(inv: Inventory) -> Dict[str, str]:
+    """The backend classes the inventoried build of torch was compiled without -> why they are unknown."""
+    c10d = inv.modules.get("torch.distributed.distributed_c10d", {})
+    return {f"torch.distributed.distributed_c10d.{name}": (
+        f"torch {inv.version}'s inventory is of a build without {backend}: its backend classes exist only in "
+        f"builds with {backend} (compared build to build, not as API)")
+        for name, (backend, marker) in BACKEND_CLASSES.items() if marker not in c10d}
+
+
 def classify(names: Iterable[str], resolver: Resolver, version: str,
-             homes: Optional[Dict[str, List[str]]] = None) -> Coverage:
-    """The names that ``version`` lacks natively, each served, not servable, missing or unknown; a
-    missing one that a patch serves under one of its re-exports (``homes``) says so in ``reasons``."""
+             homes: Optional[Dict[str, List[str]]] = None, unbuilt: Optional[Dict[str, str]] = None) -> Coverage:
+    """The names that ``version`` lacks natively, each served, not servable, missing or unknown (also
+    the build features its build lacks, ``unbuilt``); a missing one that a patch serves under one of its
+    re-exports (``homes``) says so in ``reasons``."""
     out = Coverage(version)
     for name in names:
+        if name in (unbuilt or {}):
+            out.lacking["unknown"].append(name)
+            out.reasons[name] = unbuilt[name]
+            continue
         result = resolver.resolve(name)
         if result.status == NATIVE:
             continue
@@ -188,7 +207,7 @@ def coverage_of(inv: Inventory, newest: Inventory) -> Coverage:
     """One inventoried release's coverage of the newest torch's public names (every patch on)."""
     resolver = Resolver(InventoryView(inv, all_inventories()), inv.version,
                         Serving.for_torch(inv.version, builtin_patches(), Config()))
-    return classify(public_names(newest), resolver, inv.version, reexports(newest))
+    return classify(public_names(newest), resolver, inv.version, reexports(newest), not_built(inv))
 
 
 def coverage() -> Tuple[Inventory, List[Coverage]]:
