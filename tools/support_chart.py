@@ -31,6 +31,7 @@ FEATURE_SUBSYSTEM = {
     "torch.uint64": "core",
     "torch.profiler._pattern_matcher": "profiler",
     "torch.cuda._annotate_cuda_graph_trace": "profiler",
+    "torch.distributed.checkpoint.protocol": "checkpoint",
 }
 STATES = {  # state: (fill, text colour, mark after the number of patches)
     "native": ("#e4e8ec", "#2d333a", ""),
