@@ -132,6 +132,22 @@ def run_json(code: str, **kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+# The matrix venv of the newest torch, where it exists: files written by a served backport are read
+# back there by that torch's own code (run_newest_torch_json).
+NEWEST_TORCH_PYTHON = Path.home() / ".cache/torchpatch/nox/matrix-torch-2-15-0/bin/python"
+
+
+def run_newest_torch_json(code: str, *args: str) -> Any:
+    """Run ``code`` (printing one JSON document last) natively on torch 2.15's matrix venv, in a
+    subprocess; skip the test where that venv does not exist."""
+    if not NEWEST_TORCH_PYTHON.exists():
+        pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
+    proc = subprocess.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(),
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 # Test scripts that exercise the engine on the demo plugin's fake targets start with this line: the
 # start-up hook activates torchpatch when torch is first looked up (as ``import torch`` does first),
 # and looking it up costs nothing of torch's own import time.
