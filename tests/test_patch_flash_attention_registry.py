@@ -16,7 +16,7 @@ import types
 
 import pytest
 
-from conftest import clean_env, only_torch, run_json, run_py, torch_matches, where_patch_applies
+from conftest import clean_env, only_torch, run_json, run_py, torch_matches
 
 # torch 2.10's registry (FA4 only, activation without restoring first) is not 2.15's: on 2.10 only
 # restore_flash_attention_impl is served, on torch's own registry.

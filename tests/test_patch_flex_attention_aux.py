@@ -59,7 +59,9 @@ def test_return_aux_as_torch_2_15():
     assert out["out"] is True and out["lse"] is True
     assert out["aux"] == ["AuxOutput", None, {"lse": False, "max_scores": False}, ["lse", "max_scores"]]
     assert out["no_request"] == [True, [None, None]]
-    assert out["max_cpu"] == ["NotImplementedError", "Returning max scores is not supported on CPU."]
+    # torch 2.15 (and the served wrapper) say "on CPU.", some earlier torch "on CPU/MPS."
+    assert out["max_cpu"][0] == "NotImplementedError"
+    assert out["max_cpu"][1].startswith("Returning max scores is not supported on CPU"), out["max_cpu"]
     assert out["both"] == ["ValueError", BOTH]
     assert out["options"][0] is False
     assert {"BLOCK_M", "BLOCK_N", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "num_warps", "num_stages"} <= set(out["options"][1])

@@ -30,7 +30,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="graph-exec-group",
-    summary="torch.utils.checkpoint.GraphExecGroup on torch 2.4-2.9 (one recomputation per checkpointed "
+    summary="torch.utils.checkpoint.GraphExecGroup (one recomputation per checkpointed "
             "region for several backward calls)",
     torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/166536",

@@ -16,7 +16,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="attention-experimental",
-    summary="torch.nn.attention.experimental (an empty package, as in torch 2.15) on torch 2.4-2.5",
+    summary="torch.nn.attention.experimental, an empty package as in torch 2.15",
     torch=">=2.4,<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/137164",
 )

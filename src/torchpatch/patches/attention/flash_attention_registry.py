@@ -40,7 +40,7 @@ from torchpatch import Patch
 PATCH = Patch(
     id="flash-attention-registry",
     summary="torch.nn.attention's flash attention implementation registry (activate/list/current/register/"
-            "restore_flash_attention_impl) on torch 2.4-2.10",
+            "restore_flash_attention_impl; restore alone on 2.10)",
     torch=">=2.4,<2.11",
     upstream="https://github.com/pytorch/pytorch/pull/167348",
 )

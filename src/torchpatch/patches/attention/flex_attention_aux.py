@@ -31,7 +31,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="flex-attention-aux",
     summary="torch.nn.attention.flex_attention's AuxRequest, AuxOutput, FlexKernelOptions and "
-            "flex_attention(return_aux=...) on torch 2.5-2.8",
+            "flex_attention(return_aux=...)",
     torch=">=2.5,<2.9",
     upstream="https://github.com/pytorch/pytorch/pull/161667",
     behaviour="flex_attention(..., return_aux=AuxRequest(...))",

@@ -1,5 +1,5 @@
 """varlen-attention: ``torch.nn.attention.varlen`` (``varlen_attn``, ``varlen_attn_out``,
-``AuxRequest``) on torch 2.4-2.9, and ``varlen_attn_out`` on torch 2.10.
+``AuxRequest``) on torch 2.4-2.10 (where 2.10 lacks only ``varlen_attn_out``).
 
 What breaks:   code written for torch 2.10+ that runs attention over packed variable-length
                sequences dies on older torch: ``ModuleNotFoundError: No module named
@@ -41,8 +41,8 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="varlen-attention",
-    summary="torch.nn.attention.varlen (varlen_attn, varlen_attn_out, AuxRequest) on torch 2.4-2.9 and "
-            "varlen_attn_out on 2.10, on this torch's flash attention kernel",
+    summary="torch.nn.attention.varlen (varlen_attn, varlen_attn_out, AuxRequest; varlen_attn_out alone on "
+            "2.10), on this torch's flash attention kernel",
     torch=">=2.4,<2.11",
     upstream="https://github.com/pytorch/pytorch/pull/164502",
 )
