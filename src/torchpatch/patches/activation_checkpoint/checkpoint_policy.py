@@ -47,7 +47,7 @@ import functools
 import inspect
 from collections import defaultdict
 from types import ModuleType
-from typing import Any, Callable, Dict, List, Tuple, Union
+from typing import Any, Callable, Dict, List, Set, Tuple, Union
 
 from torchpatch import Patch, Patcher
 
@@ -96,16 +96,16 @@ def _policy_from_bool(save: bool) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-@functools.lru_cache(maxsize=None)
-def _modes() -> Tuple[type, type]:
-    """The two TorchDispatchMode classes, made on first use (torch is not imported at start-up)."""
+def _ignored_ops() -> Set[Any]:
+    """Ops checkpointing itself runs a different number of times in forward and recompute (detach in
+    the saved-tensor hooks, metadata queries of the determinism check): never cached. On torch 2.4
+    the very set torch's own SAC consults (``SAC_IGNORED_OPS``), so what code adds to it counts."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-    from torch.utils._pytree import tree_map
+    import torch.utils.checkpoint as checkpoint
 
+    if isinstance(getattr(checkpoint, "_ignored_ops", None), set):
+        return checkpoint._ignored_ops
     aten = torch.ops.aten
-    # Ops checkpointing itself runs a different number of times in forward and recompute
-    # (detach in the saved-tensor hooks, metadata queries of the determinism check): never cached.
     ignored = {aten.detach.default, torch.ops.prim.device.default}
     for name, overload in [("is_contiguous", "default"), ("is_contiguous", "memory_format"),
                            ("is_strides_like_format", "default"),
@@ -116,7 +116,17 @@ def _modes() -> Tuple[type, type]:
         op = getattr(getattr(aten, name, None), overload, None)
         if op is not None:
             ignored.add(op)
+    return ignored
 
+
+@functools.lru_cache(maxsize=None)
+def _modes() -> Tuple[type, type]:
+    """The two TorchDispatchMode classes, made on first use (torch is not imported at start-up)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map
+
+    ignored = _ignored_ops()
     mode_keys = getattr(torch._C, "_TorchDispatchModeKey", None)  # absent on 2.1
     views = torch._C.DispatchKey.ADInplaceOrView
 
