@@ -9,6 +9,8 @@ on 2.13+, against the same expectations, so torch's own analyser validates them.
 gloo dump (the flight recorder's own) checks that the synthetic entries have its keys and types,
 and gloo's real dumps are analysed served on 2.9 and natively on 2.13+ alike."""
 
+import os
+
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json, run_py, through_patch_range,
     until_patch_range_ends, where_patch_applies, where_patch_does_not_apply
@@ -237,7 +239,8 @@ def test_command_line(tmp_path):
     (tmp_path / "tabulate.py").write_text(TABULATE)
     script = DUMPS + f"write_dumps({str(tmp_path / 'dumps')!r}, {{r: steady(r, 2) for r in range(2)}}, 2)\n"
     assert run_py(script).returncode == 0
-    env = clean_env(TORCHPATCH="1", PYTHONPATH=str(tmp_path))
+    env = clean_env(TORCHPATCH="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))  # the tabulate stand-in
     code = "from torch.distributed.flight_recorder.fr_trace import main; main()"
     listed = run_py(code, env=env, args=(str(tmp_path / "dumps"), "-j"))
     assert listed.returncode == 0, listed.stderr[-2000:]
