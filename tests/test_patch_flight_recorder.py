@@ -11,9 +11,11 @@ and gloo's real dumps are analysed served on 2.9 and natively on 2.13+ alike."""
 
 import os
 
+import pytest
+
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json, run_py, through_patch_range,
-    until_patch_range_ends, where_patch_applies, where_patch_does_not_apply
+    torch_matches, until_patch_range_ends, where_patch_applies, where_patch_does_not_apply
 )
 
 # A stand-in for the tabulate package (which the analyser's tables need and the venvs lack): a
@@ -334,3 +336,32 @@ def test_real_gloo_dumps(tmp_path):
     assert out["collectives"] == [["gloo:all_reduce", "0:default_pg", True, [[4]], [[4]]],
                                   ["gloo:all_gather", "1", True, [[4]], [[2, 4]]],
                                   ["gloo:broadcast", "0:default_pg", True, [[3]], [[3]]]], out
+
+
+NEWEST = DUMPS + """
+import io, json, logging, sys, tempfile
+from torch.distributed.flight_recorder.fr_trace import main
+handler = logging.getLogger("Flight Recorder").handlers[0]
+handler.setStream(io.StringIO())
+folder = tempfile.mkdtemp()
+# A backend the analyser does not know, and an all_gather recorded as one buffer per rank (c10d's hook).
+write_dumps(folder, {r: [entry(0, 1, "mybackend:all_reduce", [[2]], [[2]]),
+                         entry(1, 2, "c10d:all_gather", [[4]], [[4], [4]])] for r in range(2)}, 2)
+main([folder, "-o", folder + ".db"])
+with open(folder + ".db", "rb") as f:
+    _types, db = pickle.load(f)
+print(json.dumps({"log": sorted(set(handler.stream.getvalue().splitlines())),
+                  "collectives": [[c.collective_name, c.pass_check] for c in db.collectives]}))
+"""
+
+
+@through_patch_range("flight-recorder", since="2.4")
+def test_newest_semantics(tmp_path):
+    """What torch 2.15's analyser changed (2.14's raises on an unknown backend, and counts a per-rank
+    all_gather as a size mismatch): served as 2.15 has it; checked natively on 2.15+ only."""
+    if not patch_applies_here("flight-recorder") and not torch_matches(">=2.15"):
+        pytest.skip("torch 2.10-2.14's own analyser predates these changes")
+    env = clean_env(TORCHPATCH="1") if patch_applies_here("flight-recorder") else clean_env()
+    out = run_json(NEWEST, env=env)
+    assert out["log"] == ["unrecognized comm library 'mybackend' in profiling name 'mybackend:all_reduce'"], out
+    assert out["collectives"] == [["mybackend:all_reduce", True], ["c10d:all_gather", True]], out
