@@ -4,7 +4,7 @@ point-to-point operations; from 2.7 on collectives too."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Set, Tuple
+from typing import Any, Dict, Iterator, List, Set, Tuple
 
 from .entries import get_version_detail, tabulate_function
 from .entry_state import EntryState, MatchStateRecord
@@ -85,6 +85,17 @@ def _visualize(match: bool, all_rank_events: RankEvents, memberships: Dict[str, 
     logger.info("%s", tabulate_function()(table))
 
 
+def _first_ranks(all_ops: Dict[Any, List[Op]]) -> Iterator[Any]:
+    """The first rank of ``all_ops`` with operations left, as long as there is one (ranks without
+    any leave ``all_ops``)."""
+    while all_ops:
+        first_rank = next(iter(all_ops))
+        if all_ops[first_rank]:
+            yield first_rank
+        else:
+            all_ops.pop(first_rank)
+
+
 def _pair_first_p2p(all_ops: Dict[Any, List[Op]], first_rank: Any, memberships: Dict[str, Set[Any]]) -> bool:
     """Pair ``first_rank``'s first operation with its peer's first matching one, both then leaving
     ``all_ops``: the peer's operations are searched in order up to the first one from or to
@@ -113,11 +124,7 @@ def match_coalesced_groups(all_rank_events: RankEvents, group_size: int, groups:
         if ops[-1].type != "coalesced":
             raise AssertionError
         ops.pop()
-    while all_ops:
-        first_rank = next(iter(all_ops))
-        if not all_ops[first_rank]:
-            all_ops.pop(first_rank)
-            continue
+    for first_rank in _first_ranks(all_ops):
         if all_ops[first_rank][0].type not in P2P:
             raise NotImplementedError("coalesced collective ops")
         if not _pair_first_p2p(all_ops, first_rank, memberships):
@@ -143,11 +150,7 @@ def match_coalesced_groups_with_non_p2p(all_rank_events: RankEvents, pg_info: Tu
             logger.error("Rank %s has an empty op list.", rank)
         elif ops[-1].type == "coalesced" and is_p2p:
             ops.pop()
-    while all_ops:
-        first_rank = next(iter(all_ops))
-        if not all_ops[first_rank]:
-            all_ops.pop(first_rank)
-            continue
+    for first_rank in _first_ranks(all_ops):
         if is_p2p:
             if not _pair_first_p2p(all_ops, first_rank, memberships):
                 _visualize(False, all_rank_events, memberships, _pg_guids)
