@@ -1,4 +1,4 @@
-"""varlen-attention: ``torch.nn.attention.varlen`` on torch 2.4-2.9 (and ``varlen_attn_out`` on 2.10)
+"""varlen-attention: ``torch.nn.attention.varlen`` on torch 2.4-2.9 (and ``varlen_attn_out`` on 2.10-2.11)
 with torch 2.15's semantics.
 
 On this machine (CPU): the same script, served (2.4, 2.9) and native (2.15), gives the same module

@@ -1,13 +1,13 @@
 """varlen-attention: ``torch.nn.attention.varlen`` (``varlen_attn``, ``varlen_attn_out``,
-``AuxRequest``) on torch 2.4-2.10 (where 2.10 lacks only ``varlen_attn_out``).
+``AuxRequest``) on torch 2.4-2.11 (where 2.10 and 2.11 lack only ``varlen_attn_out``).
 
 What breaks:   code written for torch 2.10+ that runs attention over packed variable-length
                sequences dies on older torch: ``ModuleNotFoundError: No module named
                'torch.nn.attention.varlen'`` (2.4-2.9), ``ImportError: cannot import name
-               'varlen_attn_out'`` (2.10).
+               'varlen_attn_out'`` (2.10, 2.11).
 Torch:         2.10 added the module around the flash attention kernel every torch since 2.4 has
                (``aten::_flash_attention_forward`` with packed sequences, sliding windows and
-               ``seqused_k``, differentiable); 2.11 added ``varlen_attn_out``; 2.15 also routes to
+               ``seqused_k``, differentiable); 2.12 added ``varlen_attn_out``; 2.15 also routes to
                cuDNN when it is enabled and eligible.
 Fix:           serve the module with torch 2.15's semantics, computed by this torch's own flash kernel:
                - the same checks first: heads (``enable_gqa``), ``scale > 0``, ``window_size`` of
@@ -42,8 +42,8 @@ from torchpatch import Patch
 PATCH = Patch(
     id="varlen-attention",
     summary="torch.nn.attention.varlen (varlen_attn, varlen_attn_out, AuxRequest; varlen_attn_out alone on "
-            "2.10), on this torch's flash attention kernel",
-    torch=">=2.4,<2.11",
+            "2.10 and 2.11), on this torch's flash attention kernel",
+    torch=">=2.4,<2.12",
     upstream="https://github.com/pytorch/pytorch/pull/164502",
 )
 
@@ -233,4 +233,4 @@ def build(module: ModuleType) -> None:
 
 @PATCH.symbol(_MODULE, "varlen_attn_out")
 def _varlen_attn_out() -> Any:
-    return varlen_attn_out  # torch 2.10: its module lacks only this
+    return varlen_attn_out  # torch 2.10 and 2.11: their module lacks only this
