@@ -272,6 +272,18 @@ def markdown(newest: Inventory, rows: Sequence[Coverage]) -> str:
     return "\n".join(lines)
 
 
+def in_one_line(newest: Inventory, rows: Sequence[Coverage]) -> str:
+    """The README's sentence: the served share of each minor's lacking names."""
+    shares = ", ".join(f"{100 * c.share('served'):.0f}% on {'.'.join(c.version.split('.')[:2])}" for c in rows)
+    unserved = [c for c in rows if c.lacking["missing"]]
+    rest = "the rest is declared not servable, with the piece of torch it needs" if not unserved else (
+        "the rest is declared not servable, with the piece of torch it needs, except "
+        + ", ".join(f"{len(c.lacking['missing'])} on {c.version}" for c in unserved) + " not served yet")
+    return (f"**The newest API on older torch.** Of the public names of torch {newest.version} under "
+            f"{', '.join(f'`{r}`' for r in ROOTS)} that a minor lacks, torchpatch serves {shares}; {rest} "
+            "([the table, what public means, and what cannot be served](docs/patches/newest-api.md)).")
+
+
 def names(newest: Inventory, c: Coverage) -> str:
     modules = [n for n in public_names(newest) if n in newest.modules]
     lines = [f"torch {c.version}: {c.total} public names of torch {newest.version} lacking; "

@@ -86,7 +86,8 @@ def bugs_table() -> str:
 
 # page -> {marker name: what goes between its markers}
 TABLES: Dict[Path, Dict[str, Callable[[], str]]] = {
-    ROOT / "README.md": {"catalogue-size": catalogue_size},
+    ROOT / "README.md": {"catalogue-size": catalogue_size,
+                         "api-coverage": lambda: api_coverage.in_one_line(*api_coverage.coverage())},
     DOCS / "patches" / "index.md": {"patch-table": table},
     DOCS / "silent-bugs.md": {"silent-bugs": bugs_table},
     DOCS / "patches" / "newest-api.md": {"api-coverage": lambda: api_coverage.markdown(*api_coverage.coverage())},
