@@ -10,6 +10,8 @@ gloo dump (the flight recorder's own) checks that the synthetic entries have its
 and gloo's real dumps are analysed served on 2.9 and natively on 2.13+ alike."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -237,7 +239,8 @@ def test_native_analyser_gives_the_same_findings(tmp_path):
 
 @through_patch_range("flight-recorder", since="2.4")
 def test_command_line(tmp_path):
-    """``main()`` reads the command line: ``-j`` exits 0 after its table, a bad option exits 2."""
+    """``main()`` reads the command line: ``-j`` exits 0 after its table, a bad option exits 2; ``python -m``
+    runs it as well (served: the engine's loader gives runpy the module's ``main``)."""
     (tmp_path / "tabulate.py").write_text(TABULATE)
     script = DUMPS + f"write_dumps({str(tmp_path / 'dumps')!r}, {{r: steady(r, 2) for r in range(2)}}, 2)\n"
     assert run_py(script).returncode == 0
@@ -246,7 +249,11 @@ def test_command_line(tmp_path):
     code = "from torch.distributed.flight_recorder.fr_trace import main; main()"
     listed = run_py(code, env=env, args=(str(tmp_path / "dumps"), "-j"))
     assert listed.returncode == 0, listed.stderr[-2000:]
-    assert "TABLE (['Rank 0', 'Rank 1'], [['all_reduce(input_sizes=[[4, 4]], state=completed)'" in listed.stderr
+    table = "TABLE (['Rank 0', 'Rank 1'], [['all_reduce(input_sizes=[[4, 4]], state=completed)'"
+    assert table in listed.stderr
+    as_script = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+                                str(tmp_path / "dumps"), "-j"], env=env, capture_output=True, text=True, timeout=180)
+    assert as_script.returncode == 0 and table in as_script.stderr, as_script.stderr[-2000:]
     bad = run_py(code, env=env, args=(str(tmp_path / "dumps"), "--mismatch_cap", "many"))
     assert bad.returncode == 2 and "argument --mismatch_cap: invalid int value: 'many'" in bad.stderr, bad.stderr
 

@@ -22,7 +22,7 @@ import importlib.util
 import sys
 import threading
 from importlib.machinery import ModuleSpec
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ._record import Record
@@ -199,6 +199,19 @@ class _ShimLoader:
             self._record.add(_forget(module.__name__, module))
             self._build(module)
             self._served.setdefault(module.__name__, (self._record.owner, ""))
+
+    def get_code(self, fullname: str) -> Optional[CodeType]:
+        """``python -m`` on a served module: runs what its builder set as ``__torchpatch_main__`` (the
+        module's ``if __name__ == "__main__":`` block, where torch's has one), else nothing, as a module
+        without such a block does."""
+        if self._build is None:
+            return None
+        source = ("import importlib, sys\n"
+                  f"if sys.argv and sys.argv[0] is None:  # runpy's origin of a module with no file\n"
+                  f"    sys.argv[0] = {fullname!r}\n"
+                  f"_run = getattr(importlib.import_module({fullname!r}), '__torchpatch_main__', None)\n"
+                  "if _run is not None:\n    _run()\n")
+        return compile(source, f"<served module {fullname}>", "exec")
 
 
 def _keep_parent_attribute(alias: str, module: ModuleType) -> None:

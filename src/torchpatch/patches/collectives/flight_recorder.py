@@ -26,9 +26,8 @@ Fix:           serve the package, ``components`` with ``types``, ``utils``, ``bu
                package as torch's do, and without it raise ``ModuleNotFoundError`` naming it
                (torch: ``NameError``); the schema in ``types`` spells its field types with
                ``typing`` (``List[List[int]]``, ``Optional[int]``; torch: ``list[list[int]]``,
-               ``int | None``). ``python -m torch.distributed.flight_recorder.fr_trace`` does
-               not run a served module (no code object for ``runpy``): run
-               ``python -c "from torch.distributed.flight_recorder.fr_trace import main; main()" DIR``.
+               ``int | None``). ``python -m torch.distributed.flight_recorder.fr_trace DIR`` runs
+               ``main`` as torch's does.
 Upstream:      https://github.com/pytorch/pytorch/pull/134788 (flight recorder analyser into torch.distributed)
 """
 
@@ -128,6 +127,8 @@ def _fill(module: ModuleType, exported: Tuple[str, ...], others: Tuple[str, ...]
 def _builder(exported: Tuple[str, ...], others: Tuple[str, ...]):
     def build(module: ModuleType) -> None:
         _fill(module, exported, others)
+        if "main" in exported:  # ``python -m ...fr_trace DIR``, as torch's ``if __name__ == "__main__"``
+            module.__torchpatch_main__ = module.main
 
     return build
 
