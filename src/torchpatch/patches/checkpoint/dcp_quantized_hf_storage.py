@@ -12,7 +12,9 @@ Fix:           serve the module with the reader (``_quantized_hf``), written her
                signature and semantics: the index file's ``weight_map`` pairs ``X.weight`` with
                ``X.weight_scale_inv`` (each ``block_size`` block of the 2-D weight, read in float32,
                times its scale, then cast to ``target_dtype``) and ``X_blocks`` with ``X_scales``
-               (MXFP4, planned as ``[..., groups * bytes * 2]``); other tensors are read as they are.
+               (MXFP4, planned as ``[..., groups * bytes * 2]``; like 2.15 the planner intersects
+               a request with the stored 4-D chunk, so only the first ``groups`` values of a row are
+               read, as on 2.15); other tensors are read as they are.
                Its base is the ``HuggingFaceStorageReader`` dcp-hf-storage serves on 2.4-2.7 and,
                on 2.8, whose own ``hf_storage`` has another API, the same reader made for it alone
                (so there it is not a subclass of 2.8's class). Needs the ``safetensors`` package.
