@@ -75,6 +75,15 @@ def _consolidate(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int]) 
     _write_index(output_dir, weight_map, total)
 
 
+def copy_to_target(tensor: Any, req: Any, planner: Any) -> None:
+    """Copy ``tensor``, read for ``req``, into the planner's target tensor and commit it."""
+    target = planner.resolve_tensor(req).detach()
+    if target.size() != tensor.size():
+        raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs {tensor.size()}")
+    target.copy_(tensor)
+    planner.commit_tensor(req, target)
+
+
 def make_classes() -> Tuple[type, type]:
     """``(HuggingFaceStorageReader, HuggingFaceStorageWriter)`` on the installed file-system ones."""
     import torch
@@ -180,14 +189,12 @@ def make_classes() -> Tuple[type, type]:
 
             with safe_open(filename=path, framework="pt") as f:
                 for req in requests:
-                    slices = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
-                    tensor = f.get_slice(req.storage_index.fqn)[slices]
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise AssertionError(f"req {req.storage_index} mismatch sizes {target.size()} vs "
-                                             f"{tensor.size()}")
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
+                    self._process_read_request(f, req, planner)
+
+        def _process_read_request(self, f: Any, req: Any, planner: Any) -> None:
+            """Copy the region ``req`` names from the open safetensors file ``f`` into its target."""
+            slices = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths))
+            copy_to_target(f.get_slice(req.storage_index.fqn)[slices], req, planner)
 
         def read_data(self, plan: Any, planner: Any) -> Future:
             per_file: Dict[str, List[Any]] = {}

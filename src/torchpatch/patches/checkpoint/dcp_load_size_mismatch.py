@@ -37,15 +37,22 @@ PATCH = Patch(
 
 
 def _check_sizes(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    import torch
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ._checkpointable_tensor import _is_checkpointable_tensor
 
     state_dict = args[0] if args else kwargs["state_dict"]
     metadata = args[1] if len(args) > 1 else kwargs["metadata"]
     saved = metadata.state_dict_metadata
     for fqn, obj in state_dict.items():
         md = saved.get(fqn)
-        if isinstance(md, TensorStorageMetadata) and callable(getattr(obj, "size", None)) and md.size != obj.size():
-            raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
+        if not isinstance(md, TensorStorageMetadata) or not callable(getattr(obj, "size", None)):
+            continue
+        # a tensor with CheckpointableTensor's fields is a shard of a global tensor (dcp-checkpointable-tensor)
+        size = torch.Size(obj.global_shape) if _is_checkpointable_tensor(obj) else obj.size()
+        if md.size != size:
+            raise ValueError(f"Size mismatch between saved {md.size} and current: {size} for {fqn}")
     return wrapped(*args, **kwargs)
 
 
