@@ -9,8 +9,8 @@ way; bad arguments raise 2.15's errors. Natively on 2.4 the name is missing.
 
 import pytest
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, ranks_result, run_json,
-    torch_matches, where_patch_does_not_apply
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, run_json, torch_matches,
+    where_patch_applies, where_patch_does_not_apply
 )
 
 SCRIPT = """
@@ -109,7 +109,7 @@ print(json.dumps({"found": [hasattr(dist, "split_group"), hasattr(c10d, "split_g
 """
 
 
-@only_torch("<2.5", "torch 2.5 added split_group")
+@where_patch_applies("c10d-split-group", "torch 2.5 added split_group")
 def test_missing_natively():
     assert run_json(PROBE, env=clean_env())["found"] == [False, False]
     served = run_json(PROBE, env=clean_env(TORCHPATCH="1"))

@@ -11,16 +11,20 @@ stages); the action order, overlapped steps as their forward then their backward
 import pytest
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, PIPELINING_GLOO_WARMUP, RESULT, clean_env, only_torch, patch_applies_here,
-    ranks_result, run_json, run_py, torch_matches, where_patch_applies
+    ranks_result, run_json, torch_matches, where_patch_applies
 )
 
 ID = "pipelining-dualpipev"
+PROBE = """
+import json, torch.distributed.pipelining.schedules as schedules, torchpatch
+print(json.dumps([hasattr(schedules, "ScheduleDualPipeV"), torchpatch.status().get("pipelining-dualpipev")]))
+"""
 
 
 @where_patch_applies(ID, "torch 2.4 has pipelining without it")
-def test_native_import_error():
-    proc = run_py("from torch.distributed.pipelining.schedules import ScheduleDualPipeV")
-    assert "ImportError: cannot import name 'ScheduleDualPipeV'" in proc.stderr, proc.stderr[-2000:]
+def test_missing_natively_served_with_torchpatch():
+    assert run_json(PROBE, env=clean_env()) == [False, None]
+    assert run_json(PROBE, env=clean_env(TORCHPATCH="1")) == [True, "applied"]
 
 
 SCRIPT = """

@@ -92,13 +92,17 @@ def dualpipev_order(rank: int, group_size: int, n_microbatches: int) -> List[_Ac
     return order
 
 
-def make_schedule_class(runtime: type) -> type:
+@PATCH.symbol(SCHEDULES, "ScheduleDualPipeV")
+def serve_schedule() -> type:
     """The schedule, on top of ``pipelining-zbv``'s ``_PipelineScheduleRuntime``."""
+    import torch.distributed.pipelining.schedules as schedules
 
-    class ScheduleDualPipeV(runtime):  # type: ignore[misc, valid-type]
+    class ScheduleDualPipeV(schedules._PipelineScheduleRuntime):  # type: ignore[misc, name-defined]
         """The DualPipeV schedule (DeepSeek, https://arxiv.org/pdf/2412.19437): two stages per rank in
         a V. On torch 2.4 an overlapped step runs its forward then its backward, I steps run the whole
         backward and W steps nothing."""
+
+        __module__ = SCHEDULES
 
         def __init__(self, stages: List[Any], n_microbatches: int, loss_fn: Optional[Callable] = None,
                      args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None, output_merge_spec: Any = None,
@@ -119,12 +123,3 @@ def make_schedule_class(runtime: type) -> type:
             self._load_actions({r: dualpipev_order(r, group_size, n_microbatches) for r in range(group_size)})
 
     return ScheduleDualPipeV
-
-
-@PATCH.symbol(SCHEDULES, "ScheduleDualPipeV")
-def serve_schedule() -> type:
-    import torch.distributed.pipelining.schedules as schedules
-
-    cls = make_schedule_class(schedules._PipelineScheduleRuntime)
-    cls.__module__ = SCHEDULES
-    return cls
