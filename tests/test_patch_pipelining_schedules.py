@@ -55,15 +55,11 @@ def test_lookup_by_name():
              "'PipelineScheduleSingle', 'PipelineScheduleMulti', 'ZBVZeroBubble', 'DualPipeV']")
     for bad in ("nope", "interleaved_1f1b", ""):
         assert o[bad] == f"ValueError: Unknown schedule name '{bad}'. The valid options are {valid}"
-    # ZBVZeroBubble (torch 2.6) and InterleavedZeroBubble (2.5) are served on 2.4 by pipelining-zbv and
-    # pipelining-interleaved-zb.
+    # ZBVZeroBubble (torch 2.6), InterleavedZeroBubble (2.5) and DualPipeV (2.9) are served on 2.4 by
+    # pipelining-zbv, pipelining-interleaved-zb and pipelining-dualpipev.
     assert o["ZBVZeroBubble"] == o["zbvzerobubble"] == "ScheduleZBVZeroBubble"
     assert o["InterleavedZeroBubble"] == "ScheduleInterleavedZeroBubble"
-    # Known to newer torch, absent here: a clear error naming the release that has it.
-    for name, since in (("DualPipeV", "2.9"),):
-        assert o[name].startswith(f"ValueError: Schedule '{name}' (Schedule"), o[name]
-        assert f"needs torch >= {since}; the installed torch 2.4" in o[name]
-        assert "'GPipe'" in o[name] and "'DualPipeV'" not in o[name].split("available here")[1]
+    assert o["DualPipeV"] == "ScheduleDualPipeV"
 
 
 @only_torch(">=2.5", "the reference: torch's own get_schedule_class")
