@@ -301,15 +301,19 @@ x = torch.randn(1, 5, 8)
 sdpa, flex = Attention(False), Attention(True)
 flex.load_state_dict(sdpa.state_dict())
 with torch.no_grad():
-    print(json.dumps({"close": torch.allclose(sdpa(x), flex(x), atol=1e-6), "private": private._flex_attention.__module__,
+    want = sdpa(x)
+    print(json.dumps({"close": torch.allclose(want, flex(x), atol=1e-6),
+                      "compiled_close": torch.allclose(want, torch.compile(flex)(x), atol=1e-6),  # runs the eager computation
+                      "private": private._flex_attention.__module__,
                       "status": torchpatch.status().get("flex-attention-module")}))
 """
 
 
 @where_patch_applies("flex-attention-module")
-def test_torchtitan_style_model_runs_either_attention():
+def test_torchtitan_style_model_runs_either_attention_compiled_or_not():
     out = run_json(SDPA_MODEL, env=clean_env(TORCHPATCH="1"))
-    assert out == {"close": True, "private": "torch.nn.attention._flex_attention", "status": "applied"}
+    assert out == {"close": True, "compiled_close": True, "private": "torch.nn.attention._flex_attention",
+                   "status": "applied"}
 
 
 INACTIVE = """

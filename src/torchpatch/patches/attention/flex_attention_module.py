@@ -17,8 +17,9 @@ Fix:           serve the module with torch 2.15's names and semantics, written i
                (batch, head, q_idx, kv_idx), the block mask's blocks, GQA, ``return_lse``/``return_aux``,
                torch's errors (backward on CPU raises, as on 2.15). ``AuxRequest``, ``AuxOutput`` and
                ``FlexKernelOptions`` are the flex-attention-aux patch's. torch.compile cannot give the
-               fused kernel on 2.4 (its prototype operator takes no block mask): the unfused
-               computation runs, compiled or not.
+               fused kernel on 2.4 (its prototype operator takes no block mask, and 2.4's Inductor fails
+               on the vmapped mods): the computation is excluded from compilation
+               (``torch._dynamo.disable``), so it runs eagerly, compiled or not.
 Upstream:      https://github.com/pytorch/pytorch/pull/130136 (flex_attention public, torch 2.5)
 """
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Optional, Set, Tuple, Union
 
 import torch
+import torch._dynamo
 from torch import Tensor
 
 from ..flex_attention_aux import AuxOutput, AuxRequest
@@ -23,7 +24,7 @@ _BLOCK_MASK_TOO_LARGE_ERROR = (
     "calling block_mask._adjust(q_len, kv_len). This essentially 'crops' the block mask to the upper left "
     "corner, which does not work for all mask_mods!")
 _BACKENDS = ("AUTO", "TRITON", "FLASH", "TRITON_DECODE")
-_warned = set()
+_warned: Set[str] = set()
 
 
 def _warn_once(key: str, message: str, category: type) -> None:
@@ -131,6 +132,7 @@ def _allowed(block_mask: BlockMask, B: int, H: int, Q: int, KV: int, device: tor
     return allowed
 
 
+@torch._dynamo.disable  # torch 2.4's Inductor cannot compile it: it runs eagerly under torch.compile too
 def _attention(query: Tensor, key: Tensor, value: Tensor, score_mod: _score_mod_signature,
                block_mask: BlockMask, scale: float) -> Tuple[Tensor, Tensor, Tensor]:
     """(output, logsumexp, row maxima): scores in float32 (float64 for float64 inputs), kv heads repeated
@@ -178,8 +180,8 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
         kernel_options: checked as torch checks them; they tune kernels this implementation does not have.
         return_aux (Optional[AuxRequest]): return ``(output, AuxOutput(lse, max_scores))`` with those requested.
 
-    This torch (2.4) has no FlexAttention kernel: ``torch.compile(flex_attention)`` traces this function
-    into ordinary operations (the full score matrix, no fused kernel, no block skipping). Backward on CPU
+    This torch (2.4) has no FlexAttention kernel: this computation runs, also under
+    ``torch.compile(flex_attention)`` (the full score matrix, no fused kernel, no block skipping). Backward on CPU
     raises, as torch 2.15's does; on CUDA gradients flow through autograd. A row that attends to nothing
     gives output 0 and logsumexp -inf.
     """

@@ -7,6 +7,7 @@ import inspect
 from typing import Any, Callable, Optional, Tuple, Union
 
 import torch
+import torch._dynamo
 from torch import Tensor
 
 _mask_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -66,6 +67,7 @@ def is_score_mod(fn: Callable[..., Any]) -> bool:
     return count == 5
 
 
+@torch._dynamo.disable  # torch 2.4's Inductor cannot compile the vmapped mod: it runs eagerly under torch.compile too
 def evaluate(fn: Callable[..., Tensor], b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor,
              score: Optional[Tensor] = None) -> Tensor:
     """``fn`` at every (b, h, q_idx, kv_idx) of the index vectors: a [B, H, Q, KV] tensor. A score_mod
