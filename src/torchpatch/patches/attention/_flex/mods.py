@@ -26,32 +26,30 @@ def identity_score(score: Tensor, batch: Tensor, head: Tensor, token_q: Tensor, 
     return score
 
 
-def or_masks(*mask_mods: _mask_mod_signature) -> _mask_mod_signature:
-    """Returns a mask_mod that's the union of provided mask_mods"""
+def _combined(mask_mods: Tuple[_mask_mod_signature, ...], empty: bool,
+              combine: Callable[[Tensor, Tensor], Tensor], name: str) -> _mask_mod_signature:
+    """The mask_mod folding ``mask_mods``' masks with ``combine``, starting from ``empty``."""
     if not all(callable(arg) for arg in mask_mods):
         raise RuntimeError(f"All inputs should be callable mask_mods: {mask_mods}")
 
-    def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = b.new_zeros((), dtype=torch.bool)
-        for mask_mod in mask_mods:
-            result = result | mask_mod(b, h, q_idx, kv_idx)
+    def mask_mod(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        result = b.new_full((), empty, dtype=torch.bool)
+        for each in mask_mods:
+            result = combine(result, each(b, h, q_idx, kv_idx))
         return result
 
-    return or_mask
+    mask_mod.__name__ = mask_mod.__qualname__ = name
+    return mask_mod
+
+
+def or_masks(*mask_mods: _mask_mod_signature) -> _mask_mod_signature:
+    """Returns a mask_mod that's the union of provided mask_mods"""
+    return _combined(mask_mods, False, torch.bitwise_or, "or_mask")
 
 
 def and_masks(*mask_mods: _mask_mod_signature) -> _mask_mod_signature:
     """Returns a mask_mod that's the intersection of provided mask_mods"""
-    if not all(callable(arg) for arg in mask_mods):
-        raise RuntimeError(f"All inputs should be callable mask_mods: {mask_mods}")
-
-    def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        result = b.new_ones((), dtype=torch.bool)
-        for mask_mod in mask_mods:
-            result = result & mask_mod(b, h, q_idx, kv_idx)
-        return result
-
-    return and_mask
+    return _combined(mask_mods, True, torch.bitwise_and, "and_mask")
 
 
 def is_score_mod(fn: Callable[..., Any]) -> bool:
