@@ -115,9 +115,3 @@ def write_items(fqn: str, tensor: CheckpointableTensor) -> List[WriteItem]:
     return [WriteItem(index=MetadataIndex(fqn, chunk.offsets, idx), type=WriteItemType.SHARD,
                       tensor_data=TensorWriteData(chunk=chunk, properties=properties, size=size))
             for idx, chunk in enumerate(_get_checkpointable_tensor_chunks(tensor))]
-
-
-PUBLIC = ("CheckpointableTensor",)
-HELPERS = ("_is_checkpointable_tensor", "_copy_checkpointable_tensor_metadata",
-           "_validate_checkpointable_tensor_metadata", "_get_checkpointable_tensor_chunks",
-           "_get_checkpointable_tensor_shard")

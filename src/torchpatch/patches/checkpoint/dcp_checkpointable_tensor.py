@@ -40,7 +40,12 @@ PATCH = Patch(
 )
 
 MODULE = "torch.distributed.checkpoint.protocol"
-PATCH.sets(MODULE, ("CheckpointableTensor",))
+PUBLIC = ("CheckpointableTensor",)
+# the private helpers 2.15's module holds, which its planner code imports from it
+HELPERS = ("_is_checkpointable_tensor", "_copy_checkpointable_tensor_metadata",
+           "_validate_checkpointable_tensor_metadata", "_get_checkpointable_tensor_chunks",
+           "_get_checkpointable_tensor_shard")
+PATCH.sets(MODULE, PUBLIC + HELPERS)
 
 Wrapper = Callable[[Callable[..., Any], Any, Tuple[Any, ...], Dict[str, Any]], Any]
 
@@ -52,9 +57,9 @@ def _impl() -> ModuleType:
 @PATCH.module(MODULE)
 def build(module: ModuleType) -> None:
     impl = _impl()
-    for name in impl.PUBLIC + impl.HELPERS:
+    for name in PUBLIC + HELPERS:
         setattr(module, name, getattr(impl, name))
-    module.__all__ = list(impl.PUBLIC)
+    module.__all__ = list(PUBLIC)
 
 
 @PATCH.symbol("torch.distributed.checkpoint", "CheckpointableTensor")
