@@ -252,23 +252,28 @@ def summary(newest: Inventory, rows: Sequence[Coverage]) -> str:
 
 
 def markdown(newest: Inventory, rows: Sequence[Coverage]) -> str:
-    """The table, the definition, and each minor's names that are not served, with the reasons."""
+    """The table, the definition, each minor's names that are not served, and why, once per reason."""
     lines = [f"| {' | '.join(HEAD)} |", "|" + "---:|" * len(HEAD)]
     lines += [f"| {' | '.join(_row(c))} |" for c in rows]
     lines += ["", "**Public.** " + DEFINITION, "", "### Not served, per minor", ""]
     modules = [n for n in public_names(newest) if n in newest.modules]
+    entries: Dict[str, Dict[str, str]] = {}  # entry name -> the entry, for the reasons below
     for c in rows:
-        held = [(s, n) for s in ("not servable", "missing") for n in c.lacking[s]]
-        if not held:
+        if not (c.lacking["not servable"] or c.lacking["missing"]):
             lines.append(f"- **{c.version}**: every lacking name is served.")
             continue
         lines.append(f"- **{c.version}**:")
         for state in ("not servable", "missing"):
             for module, short in by_module(c.lacking[state], modules).items():
                 full = [module if n == "(the module)" else f"{module}.{n}" for n in short]
-                why = "; ".join(dict.fromkeys(c.reasons[n] for n in full if n in c.reasons))
-                tail = f": {why}" if state == "not servable" else " (not served yet)"
+                why = [not_backportable_for(n) for n in full] if state == "not servable" else []
+                entries.update((e["name"], e) for e in why if e)
+                tail = ": not servable (why: below)" if why else ": not served yet"
                 lines.append(f"    - `{module}`: {', '.join(f'`{n}`' for n in short)}{tail}")
+    if entries:
+        lines += ["", "### Why they cannot be served", ""]
+        lines += [f"- `{e['name']}`, {e['what']} (native in torch {e['torch']}): {e['why']}"
+                  for _, e in sorted(entries.items())]
     return "\n".join(lines)
 
 
