@@ -28,6 +28,7 @@ Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
 from typing import Any, Dict
 
@@ -84,11 +85,17 @@ def _patch_state(patcher: Patcher, state_module: ModuleType) -> bool:
     return True
 
 
+def _runtime_home() -> str:
+    """The one of HOMES that holds this torch's FSDP2 runtime: its ``_fsdp_state`` is imported by the time
+    any ``fully_shard`` module is (importing to look could re-enter a package being initialised)."""
+    return next(home for home in HOMES if home + "._fsdp_state" in sys.modules)
+
+
 def _patch_module(patcher: Patcher, fully_shard_module: ModuleType) -> bool:
     fsdp_module: Any = fully_shard_module.FSDPModule
     if hasattr(fsdp_module, "finalize_backward"):
         return False  # torch >= 2.15
-    home = next(h for h in HOMES if fully_shard_module.__name__.startswith(h + "."))
+    home = _runtime_home()  # on torch >= 2.6 _composable.fsdp.fully_shard re-exports fsdp._fully_shard's
     for name, method in _runtime(home).module_methods().items():
         method.__qualname__ = f"FSDPModule.{name}"
         patcher.setattr(fsdp_module, name, method)
