@@ -24,16 +24,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple
 
-from torchpatch import Patch
-from torchpatch.patches.pipelining.pipelining_zbv import _Action, v_placement
+from torchpatch import Patch, Patcher
+from torchpatch.patches.pipelining.pipelining_zbv import _Action, runtime_classes, serve_in_lookup, v_placement
 
 PATCH = Patch(
     id="pipelining-dualpipev",
     summary="torch.distributed.pipelining.schedules.ScheduleDualPipeV on torch 2.4 (on pipelining-zbv's "
     "action-list runtime; overlapped steps run as a forward then a backward)",
-    torch=">=2.4,<2.5",
+    torch=">=2.4,<2.9",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/schedules.py",
-    requires=("pipelining-zbv",),
 )
 
 SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -94,10 +93,9 @@ def dualpipev_order(rank: int, group_size: int, n_microbatches: int) -> List[_Ac
 
 @PATCH.symbol(SCHEDULES, "ScheduleDualPipeV")
 def serve_schedule() -> type:
-    """The schedule, on top of ``pipelining-zbv``'s ``_PipelineScheduleRuntime``."""
-    import torch.distributed.pipelining.schedules as schedules
+    """The schedule, on top of ``pipelining-zbv``'s ``_PipelineScheduleRuntime`` (not torch 2.5-2.8's own)."""
 
-    class ScheduleDualPipeV(schedules._PipelineScheduleRuntime):  # type: ignore[misc, name-defined]
+    class ScheduleDualPipeV(runtime_classes()["_PipelineScheduleRuntime"]):  # type: ignore[misc, valid-type]
         """The DualPipeV schedule (DeepSeek, https://arxiv.org/pdf/2412.19437): two stages per rank in
         a V. On torch 2.4 an overlapped step runs its forward then its backward, I steps run the whole
         backward and W steps nothing."""
@@ -123,3 +121,8 @@ def serve_schedule() -> type:
             self._load_actions({r: dualpipev_order(r, group_size, n_microbatches) for r in range(group_size)})
 
     return ScheduleDualPipeV
+
+
+@PATCH.on_import(SCHEDULES)
+def dualpipev_in_lookup(patcher: Patcher, schedules: Any) -> bool:
+    return serve_in_lookup(patcher, schedules, "DualPipeV", "ScheduleDualPipeV")
