@@ -77,8 +77,9 @@ def run(label, mine, make):
         found["out_max_diff"] = max(float((o - ref_out).abs().max()) for o, _ in steps)
     return found
 
-results = {}
+import torchpatch
 zbv = get_schedule_class("ZBVZeroBubble")
+results = {"status": torchpatch.status().get("pipelining-zbv")}
 results["lookup"] = zbv is ScheduleZBVZeroBubble and issubclass(zbv, _PipelineScheduleRuntime)
 results["zbv"] = run("zbv", [rank, S - 1 - rank], lambda st: zbv(st, n_microbatches=N_MB, loss_fn=loss_fn))
 
@@ -129,7 +130,7 @@ def test_zbv_and_csv_runtime_match_one_process(tmp_path, nproc):
     ranks = rank_result(proc)
     S = 2 * nproc
     for rank, r in enumerate(ranks):
-        assert r["lookup"] is True
+        assert r["lookup"] is True and r["status"] == "applied"
         assert r["zbv"]["stages"] == sorted([rank, S - 1 - rank])  # V: rank 0 holds stages 0 and 3
         assert r["csv"]["stages"] == [s for s in range(S) if s % nproc == rank]
         assert "ZBV places stage" in r["looped_zbv"], r["looped_zbv"]

@@ -1,4 +1,4 @@
-"""pipelining-zbv: ``ScheduleZBVZeroBubble`` and ``_PipelineScheduleRuntime`` for torch 2.4's pipelining.
+"""pipelining-zbv: ``ScheduleZBVZeroBubble`` (torch 2.4-2.5) and ``_PipelineScheduleRuntime`` (2.4).
 
 What breaks:   torchtitan (early 2025) imports
                ``from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime`` in
@@ -6,9 +6,13 @@ What breaks:   torchtitan (early 2025) imports
                module, and its package ``__init__`` imports both: on torch 2.4 all 30 modules die with
                ``ImportError: cannot import name '_PipelineScheduleRuntime' from
                'torch.distributed.pipelining.schedules'``.
-Torch:         2.4 (2.5 added ``_PipelineScheduleRuntime``, 2.6 ``ScheduleZBVZeroBubble``). Older torch
-               has no pipelining to build on (torch 2.1-2.3 get the whole package from ``pipelining``,
-               which does not serve these two).
+Torch:         2.4 (2.5 added ``_PipelineScheduleRuntime``, 2.6 ``ScheduleZBVZeroBubble``); 2.5 lacks
+               the schedule (``ImportError: cannot import name 'ScheduleZBVZeroBubble'``), and its own
+               runtime sends the activations between a rank's two V stages through the process group,
+               to its own rank, which gloo refuses ("Pair is not connected"). Older torch has no
+               pipelining to build on (torch 2.1-2.3 get the whole package from ``pipelining``, which
+               does not serve these two). torch 2.5 is not in CI's matrix: tested on 2.5.1 by hand
+               (a temporary venv), not in CI.
 Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineScheduleMulti``:
                ``_PipelineScheduleRuntime`` runs per-rank lists of compute actions (``"0F1"``: stage 0
                forward of microbatch 1; ``B`` full backward, ``I`` input backward, ``W`` weight
@@ -20,7 +24,11 @@ Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineSc
                ``r`` and ``2W-1-r``) runs torch's ZB-V order. torch 2.4's stage cannot split a backward
                into input and weight gradients, so ``I`` computes both and ``W`` does nothing: the
                results are the schedule's (the same losses, outputs and gradients), its timing is not
-               zero-bubble. ``scale_grads=True`` (torch >= 2.7's default) divides the gradients by the
+               zero-bubble. On torch 2.5+ the runtime subclasses torch's own ``_PipelineScheduleRuntime``
+               (``isinstance`` holds; its ``_load_actions`` and step are this runtime's), derives the
+               stage placement from the action lists as torch does, and runs ``I``/``W`` as the stage's
+               own split backward (input gradients, then weight gradients); torch's own
+               ``get_schedule_class("ZBVZeroBubble")`` returns the served class. ``scale_grads=True`` (torch >= 2.7's default) divides the gradients by the
                number of microbatches after a step. Communication actions in a ``compute_comms`` action
                list (``SEND_F``, ``RECV_B``, ...) are skipped, the runtime posts its own; FSDP's
                ``UNSHARD``/``RESHARD`` raise ``NotImplementedError``.
@@ -37,8 +45,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-zbv",
-    summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble and _PipelineScheduleRuntime "
-    "(action-list runtime, V placement)",
+    summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble (2.4-2.5) and _PipelineScheduleRuntime "
+    "(2.4; action-list runtime, V placement)",
     torch=">=2.4,<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/142084",
 )
@@ -124,7 +132,8 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
 
     FWD, BWD = 0, 1
 
-    base = getattr(schedules, "_PipelineScheduleRuntime", schedules.PipelineScheduleMulti)
+    # torch's own runtime only (vars: on 2.4 the name is served by this very factory)
+    base = vars(schedules).get("_PipelineScheduleRuntime", schedules.PipelineScheduleMulti)
 
     class _PipelineScheduleRuntime(base):  # type: ignore[misc, valid-type]
         """Runs each rank's action list (``pipeline_order``) on its stages; see the patch's docstring."""
