@@ -2,8 +2,8 @@
 2.5 as the very function of 2.5's ``_attention`` module; torch's own from 2.6 on. The 2-rank script is
 the same served (2.5) and native (2.6+, 2.15 in CI): each rank holds its contiguous sequence shard of a
 buffer inside the context (torch >= 2.6 without its default load balancing, which 2.5 does not have)
-and the whole buffer after it. torch 2.5 is not in CI's matrix: tested on 2.5.1 by hand at the commit
-that added the patch, not in CI."""
+and the whole buffer after it. torch 2.5 is not in CI's matrix: tested on 2.5.1 by hand at a023f3a, not in
+CI."""
 
 from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, run_py, where_patch_applies
 

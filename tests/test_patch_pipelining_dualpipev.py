@@ -1,6 +1,6 @@
 """pipelining-dualpipev: ScheduleDualPipeV on torch 2.4-2.8, on pipelining-zbv's runtime (2.5-2.8: not
 torch's own runtime, which gloo refuses for a rank's two V stages; not in CI's matrix: tested on 2.5.1 and
-2.8.0 by hand, not in CI).
+2.8.0 by hand at 7c8f71b, not in CI).
 
 Two ranks (gloo), 4 stages in a V (rank r holds stages r and 3-r), 4, 6 and 8 microbatches, float64:
 outputs, per-microbatch losses and every stage's gradients equal the same model on one process (the

@@ -7,8 +7,8 @@ What breaks:   code written for torch >= 2.9 that picks DeepSeek's DualPipeV sch
 Torch:         2.4-2.8 (2.9 added the schedule). 2.5-2.8's own ``_PipelineScheduleRuntime`` cannot run it
                on gloo: it sends the activations between a rank's two V stages through the process group
                to its own rank ("Pair is not connected"). Older torch has no pipelining to build on.
-               2.5-2.8 are not in CI's matrix: tested on 2.5.1 and 2.8.0 by hand (temporary venvs), not
-               in CI.
+               2.5-2.8 are not in CI's matrix: tested on 2.5.1 and 2.8.0 by hand (temporary venvs) at
+               7c8f71b, not in CI.
 Fix:           serve it on ``pipelining-zbv``'s ``_PipelineScheduleRuntime`` (torch's own ``PipelineStage``
                and ``PipelineScheduleMulti``; on 2.5-2.8 a subclass of torch's ``_PipelineScheduleRuntime``
                that hands a rank's V activations over in-process), with torch 2.15's action order:

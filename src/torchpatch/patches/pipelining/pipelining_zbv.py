@@ -12,7 +12,7 @@ Torch:         2.4 (2.5 added ``_PipelineScheduleRuntime``, 2.6 ``ScheduleZBVZer
                to its own rank, which gloo refuses ("Pair is not connected"). Older torch has no
                pipelining to build on (torch 2.1-2.3 get the whole package from ``pipelining``, which
                does not serve these two). torch 2.5 is not in CI's matrix: tested on 2.5.1 by hand
-               (a temporary venv), not in CI.
+               (a temporary venv) at 7c8f71b, not in CI.
 Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineScheduleMulti``:
                ``_PipelineScheduleRuntime`` runs per-rank lists of compute actions (``"0F1"``: stage 0
                forward of microbatch 1; ``B`` full backward, ``I`` input backward, ``W`` weight
