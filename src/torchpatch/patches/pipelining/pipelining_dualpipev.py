@@ -1,20 +1,27 @@
-"""pipelining-dualpipev: ``ScheduleDualPipeV`` for torch 2.4's pipelining.
+"""pipelining-dualpipev: ``ScheduleDualPipeV`` for torch 2.4-2.8's pipelining.
 
 What breaks:   code written for torch >= 2.9 that picks DeepSeek's DualPipeV schedule does
                ``from torch.distributed.pipelining.schedules import ScheduleDualPipeV`` (or
                ``get_schedule_class("DualPipeV")``) and dies on torch 2.4 with ``ImportError: cannot
                import name 'ScheduleDualPipeV'``.
-Torch:         2.4 (2.9 added the schedule). Older torch has no pipelining to build on.
-Fix:           serve it on the ``_PipelineScheduleRuntime`` that ``pipelining-zbv`` serves on 2.4 (torch
-               2.4's own ``PipelineStage`` and ``PipelineScheduleMulti``), with torch 2.15's action order:
+Torch:         2.4-2.8 (2.9 added the schedule). 2.5-2.8's own ``_PipelineScheduleRuntime`` cannot run it
+               on gloo: it sends the activations between a rank's two V stages through the process group
+               to its own rank ("Pair is not connected"). Older torch has no pipelining to build on.
+               2.5-2.8 are not in CI's matrix: tested on 2.5.1 and 2.8.0 by hand (temporary venvs) at
+               7c8f71b, not in CI.
+Fix:           serve it on ``pipelining-zbv``'s ``_PipelineScheduleRuntime`` (torch's own ``PipelineStage``
+               and ``PipelineScheduleMulti``; on 2.5-2.8 a subclass of torch's ``_PipelineScheduleRuntime``
+               that hands a rank's V activations over in-process), with torch 2.15's action order:
                two stages per rank in a V (rank ``r`` holds stages ``r`` and ``2W-1-r``), per rank
                forwards of the first stage, then of both, input / weight backward steps, the main part
                of overlapped steps (a forward of one microbatch and a backward of another), and the
-               backwards and remaining weight backwards to finish. torch 2.4's runtime has no overlapped
-               action: it runs the forward, then the backward (the same values); and as for ZB-V there,
-               its stage computes input and weight gradients together: ``I`` runs the whole backward and
+               backwards and remaining weight backwards to finish. The runtime has no overlapped action:
+               it runs the forward, then the backward (the same values); on torch 2.4, as for ZB-V there,
+               the stage computes input and weight gradients together: ``I`` runs the whole backward and
                ``W`` nothing, so losses, outputs and gradients are the schedule's, its timing is not
-               DualPipeV's. 2.15's errors: not 2 stages per rank, fewer microbatches than stages.
+               DualPipeV's (2.5+ split them). torch's own ``get_schedule_class("DualPipeV")`` (2.5-2.8)
+               returns the served class. 2.15's errors: not 2 stages per rank, fewer microbatches than
+               stages.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/schedules.py
                (``ScheduleDualPipeV``, torch 2.9); https://github.com/deepseek-ai/DualPipe
 """
@@ -24,16 +31,15 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple
 
-from torchpatch import Patch
-from torchpatch.patches.pipelining.pipelining_zbv import _Action, v_placement
+from torchpatch import Patch, Patcher
+from torchpatch.patches.pipelining.pipelining_zbv import _Action, runtime_classes, serve_in_lookup, v_placement
 
 PATCH = Patch(
     id="pipelining-dualpipev",
-    summary="torch.distributed.pipelining.schedules.ScheduleDualPipeV on torch 2.4 (on pipelining-zbv's "
+    summary="torch.distributed.pipelining.schedules.ScheduleDualPipeV on torch 2.4-2.8 (on pipelining-zbv's "
     "action-list runtime; overlapped steps run as a forward then a backward)",
-    torch=">=2.4,<2.5",
+    torch=">=2.4,<2.9",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/schedules.py",
-    requires=("pipelining-zbv",),
 )
 
 SCHEDULES = "torch.distributed.pipelining.schedules"
@@ -94,12 +100,11 @@ def dualpipev_order(rank: int, group_size: int, n_microbatches: int) -> List[_Ac
 
 @PATCH.symbol(SCHEDULES, "ScheduleDualPipeV")
 def serve_schedule() -> type:
-    """The schedule, on top of ``pipelining-zbv``'s ``_PipelineScheduleRuntime``."""
-    import torch.distributed.pipelining.schedules as schedules
+    """The schedule, on top of ``pipelining-zbv``'s ``_PipelineScheduleRuntime`` (not torch 2.5-2.8's own)."""
 
-    class ScheduleDualPipeV(schedules._PipelineScheduleRuntime):  # type: ignore[misc, name-defined]
+    class ScheduleDualPipeV(runtime_classes()["_PipelineScheduleRuntime"]):  # type: ignore[misc, valid-type]
         """The DualPipeV schedule (DeepSeek, https://arxiv.org/pdf/2412.19437): two stages per rank in
-        a V. On torch 2.4 an overlapped step runs its forward then its backward, I steps run the whole
+        a V. An overlapped step runs its forward then its backward; on torch 2.4 I steps run the whole
         backward and W steps nothing."""
 
         __module__ = SCHEDULES
@@ -123,3 +128,8 @@ def serve_schedule() -> type:
             self._load_actions({r: dualpipev_order(r, group_size, n_microbatches) for r in range(group_size)})
 
     return ScheduleDualPipeV
+
+
+@PATCH.on_import(SCHEDULES)
+def dualpipev_in_lookup(patcher: Patcher, schedules: Any) -> bool:
+    return serve_in_lookup(patcher, schedules, "DualPipeV", "ScheduleDualPipeV")

@@ -13,10 +13,10 @@ Fix:           serve ``schedules.get_schedule_class(name)`` with upstream's sema
                "PipelineScheduleSingle", "PipelineScheduleMulti", "ZBVZeroBubble", "DualPipeV") and
                the schedule class of the installed torch is returned; an unknown name raises
                ``ValueError`` listing the valid names, as upstream does. A schedule that the
-               installed torch does not have (DualPipeV on 2.5-2.8; on 2.4 ZBVZeroBubble,
-               InterleavedZeroBubble and DualPipeV are served by ``pipelining-zbv``,
-               ``pipelining-interleaved-zb`` and ``pipelining-dualpipev``) raises ``ValueError`` saying which torch release brought
-               it: that schedule cannot be run here.
+               installed torch does not have (on 2.4 ZBVZeroBubble, InterleavedZeroBubble and
+               DualPipeV are served by ``pipelining-zbv``, ``pipelining-interleaved-zb`` and
+               ``pipelining-dualpipev``, which also teach torch 2.5-2.8's own lookup theirs) raises
+               ``ValueError`` saying which torch release brought it: that schedule cannot be run here.
 Upstream:      https://github.com/pytorch/pytorch/pull/132768 (get_schedule_class, torch 2.5), made
                case-insensitive by https://github.com/pytorch/pytorch/pull/137103
 """

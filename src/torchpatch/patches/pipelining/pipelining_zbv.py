@@ -1,4 +1,4 @@
-"""pipelining-zbv: ``ScheduleZBVZeroBubble`` and ``_PipelineScheduleRuntime`` for torch 2.4's pipelining.
+"""pipelining-zbv: ``ScheduleZBVZeroBubble`` (torch 2.4-2.5) and ``_PipelineScheduleRuntime`` (2.4).
 
 What breaks:   torchtitan (early 2025) imports
                ``from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime`` in
@@ -6,9 +6,13 @@ What breaks:   torchtitan (early 2025) imports
                module, and its package ``__init__`` imports both: on torch 2.4 all 30 modules die with
                ``ImportError: cannot import name '_PipelineScheduleRuntime' from
                'torch.distributed.pipelining.schedules'``.
-Torch:         2.4 (2.5 added ``_PipelineScheduleRuntime``, 2.6 ``ScheduleZBVZeroBubble``). Older torch
-               has no pipelining to build on (torch 2.1-2.3 get the whole package from ``pipelining``,
-               which does not serve these two).
+Torch:         2.4 (2.5 added ``_PipelineScheduleRuntime``, 2.6 ``ScheduleZBVZeroBubble``); 2.5 lacks
+               the schedule (``ImportError: cannot import name 'ScheduleZBVZeroBubble'``), and its own
+               runtime sends the activations between a rank's two V stages through the process group,
+               to its own rank, which gloo refuses ("Pair is not connected"). Older torch has no
+               pipelining to build on (torch 2.1-2.3 get the whole package from ``pipelining``, which
+               does not serve these two). torch 2.5 is not in CI's matrix: tested on 2.5.1 by hand
+               (a temporary venv) at 7c8f71b, not in CI.
 Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineScheduleMulti``:
                ``_PipelineScheduleRuntime`` runs per-rank lists of compute actions (``"0F1"``: stage 0
                forward of microbatch 1; ``B`` full backward, ``I`` input backward, ``W`` weight
@@ -20,7 +24,11 @@ Fix:           both, built on torch 2.4's own ``PipelineStage`` and ``PipelineSc
                ``r`` and ``2W-1-r``) runs torch's ZB-V order. torch 2.4's stage cannot split a backward
                into input and weight gradients, so ``I`` computes both and ``W`` does nothing: the
                results are the schedule's (the same losses, outputs and gradients), its timing is not
-               zero-bubble. ``scale_grads=True`` (torch >= 2.7's default) divides the gradients by the
+               zero-bubble. On torch 2.5+ the runtime subclasses torch's own ``_PipelineScheduleRuntime``
+               (``isinstance`` holds; its ``_load_actions`` and step are this runtime's), derives the
+               stage placement from the action lists as torch does, and runs ``I``/``W`` as the stage's
+               own split backward (input gradients, then weight gradients); torch's own
+               ``get_schedule_class("ZBVZeroBubble")`` returns the served class. ``scale_grads=True`` (torch >= 2.7's default) divides the gradients by the
                number of microbatches after a step. Communication actions in a ``compute_comms`` action
                list (``SEND_F``, ``RECV_B``, ...) are skipped, the runtime posts its own; FSDP's
                ``UNSHARD``/``RESHARD`` raise ``NotImplementedError``.
@@ -33,13 +41,13 @@ import csv
 import re
 from typing import Any, Dict, List, NamedTuple, Optional
 
-from torchpatch import Patch
+from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-zbv",
-    summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble and _PipelineScheduleRuntime "
-    "(action-list runtime, V placement)",
-    torch=">=2.4,<2.5",
+    summary="torch.distributed.pipelining.schedules.ScheduleZBVZeroBubble (2.4-2.5) and _PipelineScheduleRuntime "
+    "(2.4; action-list runtime, V placement)",
+    torch=">=2.4,<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/142084",
 )
 
@@ -116,14 +124,18 @@ def v_placement(group_size: int, num_stages: int) -> Dict[int, int]:
 
 
 def _make_classes(schedules: Any) -> Dict[str, type]:
-    """The two classes, on top of the installed torch's ``PipelineScheduleMulti``."""
+    """The two classes, on top of the installed torch's ``_PipelineScheduleRuntime`` (2.5+: its
+    ``isinstance`` holds, its ``_load_actions`` and step are replaced) or ``PipelineScheduleMulti`` (2.4)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining.stage import _RecvInfo
 
     FWD, BWD = 0, 1
 
-    class _PipelineScheduleRuntime(schedules.PipelineScheduleMulti):
+    # torch's own runtime only (vars: on 2.4 the name is served by this very factory)
+    base = vars(schedules).get("_PipelineScheduleRuntime", schedules.PipelineScheduleMulti)
+
+    class _PipelineScheduleRuntime(base):  # type: ignore[misc, valid-type]
         """Runs each rank's action list (``pipeline_order``) on its stages; see the patch's docstring."""
 
         def __init__(self, stages: List[Any], n_microbatches: int, loss_fn: Any = None,
@@ -136,19 +148,38 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
             self.pipeline_order: Dict[int, List[Optional[_Action]]] = {}
 
         def _load_actions(self, actions: Dict[int, List[Optional[_Action]]], format: str = "compute_only") -> None:
-            """Take ``actions`` (rank -> its list) as the schedule; communication actions are skipped."""
+            """Take ``actions`` (rank -> its list; torch's own actions or ours) as the schedule, each stage
+            placed on the rank whose list runs it; communication actions are skipped."""
             if format not in ("compute_only", "compute_comms"):
                 raise NotImplementedError(f"{format=} is not implemented")
             order: Dict[int, List[Optional[_Action]]] = {}
-            for rank, ops in actions.items():
+            for rank, raw in actions.items():
+                ops = [None if a is None else _Action.from_str(str(a)) for a in raw]
                 for a in ops:
                     if a is not None and a.computation_type not in _COMPUTE + _COMMS:
                         raise NotImplementedError(
                             f"torchpatch (pipelining-zbv): action {a} ({a.computation_type}) is not supported on "
                             f"torch 2.4: only F, B, I, W (and SEND/RECV, which the runtime posts itself)")
                 order[rank] = [a if a is None or a.computation_type in _COMPUTE else None for a in ops]
+            self._place(order)
             self._validate(order)
             self.pipeline_order = order
+
+        def _place(self, order: Dict[int, List[Optional[_Action]]]) -> None:
+            """Stage -> rank from the ranks' lists (as torch >= 2.5 derives it), on this schedule and its stages."""
+            placement = dict(self.stage_index_to_group_rank)
+            runs: Dict[int, int] = {}
+            for rank, ops in order.items():
+                for a in ops:
+                    if a is not None and runs.setdefault(a.stage_index, rank) != rank:
+                        raise ValueError(f"stage {a.stage_index} has actions on ranks {runs[a.stage_index]} and {rank}")
+            placement.update(runs)
+            for stage in self._stages:
+                if placement[stage.stage_index] != stage.group_rank:
+                    raise ValueError(f"stage {stage.stage_index} is built on rank {stage.group_rank}, but the "
+                                     f"schedule runs it on rank {placement[stage.stage_index]}")
+                stage.stage_index_to_group_rank = placement
+            self.stage_index_to_group_rank = placement
 
         def _load_csv(self, filename: str, format: str = "compute_only") -> None:
             """Load the schedule from a CSV file: row ``r`` is rank ``r``'s actions, one per cell."""
@@ -158,16 +189,13 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
                                format)
 
         def _validate(self, order: Dict[int, List[Optional[_Action]]]) -> None:
-            """Every stage runs on its rank, forward and backward once per microbatch."""
+            """Every stage runs forward and backward once per microbatch."""
             n = self._n_microbatches
             seen: List[tuple] = []  # (stage, "F" or "B", microbatch) of every action
-            for rank, ops in order.items():
+            for ops in order.values():
                 for a in ops:
                     if a is None:
                         continue
-                    if self.stage_index_to_group_rank.get(a.stage_index) != rank:
-                        raise ValueError(f"action {a} is on rank {rank}, but stage {a.stage_index} is placed on "
-                                         f"rank {self.stage_index_to_group_rank.get(a.stage_index)}")
                     kind = "B" if a.computation_type in ("B", "I") else a.computation_type
                     seen.append((a.stage_index, kind, a.microbatch_index))
             for stage in range(self._num_stages):
@@ -219,12 +247,19 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
             if not self.pipeline_order:
                 raise RuntimeError("torchpatch (pipelining-zbv): no schedule loaded: call _load_csv or _load_actions")
             arg_mbs, kwarg_mbs = self._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+            if not getattr(self, "_stages_initialized", True):  # torch >= 2.6 sizes stages at the first step
+                self._initialize_stages(arg_mbs[0], kwarg_mbs[0])
             stages = {s.stage_index: s for s in self._stages}
             pending: List[tuple] = []
             for action in self.pipeline_order.get(self.rank, []):
-                if action is None or action.computation_type == "W":
-                    continue  # torch 2.4's backward computes the weight gradients with the input ones
+                if action is None:
+                    continue
                 stage, mb = stages[action.stage_index], action.microbatch_index
+                split = hasattr(stage, "backward_weight_one_chunk")  # torch 2.4's stage cannot split a backward
+                if action.computation_type == "W":
+                    if split:
+                        stage.backward_weight_one_chunk(mb)
+                    continue
                 if action.computation_type == "F":
                     if not stage.is_first:
                         infos = stage.args_recv_info[mb]
@@ -241,14 +276,17 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
                                  for dst in stage.act_send_info[idx] if dst is not None]
                         self._send(stage, items, FWD, mb,
                                    {d: stages[d].args_recv_info[mb] for _, d in items if d in stages}, pending)
-                else:  # "B" or "I": the whole backward
+                else:  # "B", or "I": the input part (the whole backward on torch 2.4)
                     if not stage.is_last:
                         self._recv(stage, stage.grad_recv_info[mb], BWD, mb)
-                    stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb))
+                    input_only = {"full_backward": False} if split and action.computation_type == "I" else {}
+                    stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), **input_only)
                     if not stage.is_first:
                         if stage.grad_send_info is None:
                             stage.grad_send_info = stage._create_grad_send_info(stage.args_recv_info[0])
-                        items = [(g, dst) for g, dst in zip(stage.grads_input, stage.grad_send_info)
+                        # the input gradients: torch 2.4-2.5 keep the last in grads_input, later torch per microbatch
+                        grads = stage.bwd_cache.pop(mb) if hasattr(stage, "bwd_cache") else stage.grads_input
+                        items = [(g, dst) for g, dst in zip(grads, stage.grad_send_info)
                                  if isinstance(g, torch.Tensor) and dst is not None]
                         self._send(stage, items, BWD, mb,
                                    {d: stages[d].grad_recv_info[mb] for _, d in items if d in stages}, pending)
@@ -288,16 +326,44 @@ def _make_classes(schedules: Any) -> Dict[str, type]:
 _classes: Dict[str, type] = {}
 
 
+def runtime_classes() -> Dict[str, type]:
+    """``_PipelineScheduleRuntime`` and ``ScheduleZBVZeroBubble`` of this patch, made once for the installed
+    torch (``pipelining-dualpipev`` builds on the runtime)."""
+    if not _classes:
+        import torch.distributed.pipelining.schedules as schedules
+
+        _classes.update(_make_classes(schedules))
+    return _classes
+
+
 def _served(name: str) -> Any:
-    def factory() -> type:
-        if not _classes:
-            import torch.distributed.pipelining.schedules as schedules
+    return lambda: runtime_classes()[name]
 
-            _classes.update(_make_classes(schedules))
-        return _classes[name]
 
-    return factory
+def serve_in_lookup(patcher: Patcher, schedules: Any, lookup_name: str, class_name: str) -> bool:
+    """Where torch has its own ``get_schedule_class`` (2.5+), make it return the served ``class_name`` for
+    ``lookup_name`` (any case) instead of its "Unknown schedule name" ``ValueError``; on 2.4,
+    ``pipelining-schedules`` serves a lookup that finds it already."""
+    if "get_schedule_class" not in vars(schedules):
+        return False
+
+    def lookup(wrapped: Any, _instance: Any, args: tuple, kwargs: Dict[str, Any]) -> Any:
+        try:
+            return wrapped(*args, **kwargs)
+        except ValueError:
+            name = kwargs.get("schedule_name", args[0] if args else None)
+            if not (isinstance(name, str) and name.lower() == lookup_name.lower()):
+                raise
+            return getattr(schedules, class_name)
+
+    patcher.wrap(schedules, "get_schedule_class", lookup)
+    return True
 
 
 for _name in ("_PipelineScheduleRuntime", "ScheduleZBVZeroBubble"):
     PATCH.symbol(SCHEDULES, _name)(_served(_name))
+
+
+@PATCH.on_import(SCHEDULES)
+def zbv_in_lookup(patcher: Patcher, schedules: Any) -> bool:
+    return serve_in_lookup(patcher, schedules, "ZBVZeroBubble", "ScheduleZBVZeroBubble")
