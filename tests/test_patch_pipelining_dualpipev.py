@@ -12,9 +12,9 @@ stages); the action order, overlapped steps as their forward then their backward
 
 import pytest
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, PIPELINING_GLOO_WARMUP, RESULT, clean_env, only_torch, patch_applies_here,
-    ranks_result, run_json, torch_matches, where_patch_applies
+    clean_env, only_torch, patch_applies_here, ranks_result, run_json, torch_matches, where_patch_applies
 )
+from pipeline_scripts import schedule_script
 
 ID = "pipelining-dualpipev"
 PROBE = """
@@ -29,25 +29,7 @@ def test_missing_natively_served_with_torchpatch():
     assert run_json(PROBE, env=clean_env(TORCHPATCH="1")) == [True, "applied"]
 
 
-SCRIPT = """
-import copy, datetime, json, torch, torch.distributed as dist, torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV, get_schedule_class
-GLOO_WARMUP
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-torch.set_default_dtype(torch.float64)
-S, D, BATCH = 2 * W, 8, 24
-torch.manual_seed(0)
-blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S))
-x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-loss_fn = nn.MSELoss()
-out = {"lookup": get_schedule_class("DualPipeV") is ScheduleDualPipeV}
-ref = copy.deepcopy(blocks)  # the full batch on one process: its loss is the mean of the microbatches'
-ref_out = x
-for b in ref:
-    ref_out = b(ref_out)
-loss_fn(ref_out, y).backward()
+SCRIPT = schedule_script("ScheduleDualPipeV", "DualPipeV", 24, ID, """
 mine = [rank, S - 1 - rank]
 
 def stages_of(n_mb, which):
@@ -79,14 +61,7 @@ for n_mb in (4, 6, 8):
         found["n_losses"] = len(losses)
         found["out"] = float((result - ref_out).abs().max())
     out[n_mb] = found
-import torchpatch
-out["status"] = torchpatch.status().get("ID")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("GLOO_WARMUP", PIPELINING_GLOO_WARMUP).replace("RESULT", repr(RESULT)).replace('"ID"', repr(ID)) \
-    + LEAVE_WITHOUT_TEARDOWN
+""")
 
 
 @pytest.mark.skipif(not (patch_applies_here(ID) or torch_matches(">=2.15")),

@@ -8,9 +8,10 @@ equals torch's own (2.13 and later) for several group sizes, stage counts and mi
 """
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, PIPELINING_GLOO_WARMUP, RESULT, clean_env, only_torch, patch_applies_here,
-    ranks_result, run_json, run_py, through_patch_range, where_patch_applies
+    clean_env, only_torch, patch_applies_here, ranks_result, run_json, run_py, through_patch_range,
+    where_patch_applies
 )
+from pipeline_scripts import schedule_script
 
 ID = "pipelining-interleaved-zb"
 
@@ -21,25 +22,7 @@ def test_native_import_error():
     assert "ImportError: cannot import name 'ScheduleInterleavedZeroBubble'" in proc.stderr, proc.stderr[-2000:]
 
 
-SCRIPT = """
-import copy, datetime, json, torch, torch.distributed as dist, torch.nn as nn
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, get_schedule_class
-GLOO_WARMUP
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-torch.set_default_dtype(torch.float64)
-S, D, BATCH = 2 * W, 8, 16
-torch.manual_seed(0)
-blocks = nn.ModuleList(nn.Sequential(nn.Linear(D, D), nn.Tanh()) for _ in range(S))
-x, y = torch.randn(BATCH, D), torch.randn(BATCH, D)
-loss_fn = nn.MSELoss()
-out = {"lookup": get_schedule_class("InterleavedZeroBubble") is ScheduleInterleavedZeroBubble}
-ref = copy.deepcopy(blocks)  # the full batch on one process: its loss is the mean of the microbatches'
-ref_out = x
-for b in ref:
-    ref_out = b(ref_out)
-loss_fn(ref_out, y).backward()
+SCRIPT = schedule_script("ScheduleInterleavedZeroBubble", "InterleavedZeroBubble", 16, ID, """
 for n_mb in (4, 8):
     with torch.no_grad():
         ref_losses = [loss_fn(o, t).item() for o, t in zip(ref_out.tensor_split(n_mb), y.tensor_split(n_mb))]
@@ -58,14 +41,7 @@ for n_mb in (4, 8):
         found["n_losses"] = len(losses)
         found["out"] = float((result - ref_out).abs().max())
     out[n_mb] = found
-import torchpatch
-out["status"] = torchpatch.status().get("ID")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("GLOO_WARMUP", PIPELINING_GLOO_WARMUP).replace("RESULT", repr(RESULT)).replace('"ID"', repr(ID)) \
-    + LEAVE_WITHOUT_TEARDOWN
+""")
 
 
 @through_patch_range(ID, "pipelining came with torch 2.4")
