@@ -39,6 +39,8 @@ from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 from torchpatch import Patch
 
+from ._heads import check_gqa_heads
+
 PATCH = Patch(
     id="varlen-attention",
     summary="torch.nn.attention.varlen (varlen_attn, varlen_attn_out, AuxRequest; varlen_attn_out alone on "
@@ -65,12 +67,7 @@ def _check_arguments(query: Tensor, key: Tensor, block_table: Optional[Tensor], 
                      scale: Optional[float], window_size: Sequence[int]) -> List[int]:
     heads_q = query.size(1)
     heads_kv = key.size(2) if block_table is not None else key.size(1)
-    if not enable_gqa and heads_q != heads_kv:
-        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={heads_q} "
-                         f"and Hkv={heads_kv}. Try setting enable_gqa=True for GQA.")
-    if enable_gqa and heads_q % heads_kv != 0:
-        raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got "
-                         f"Hq={heads_q} and Hkv={heads_kv}.")
+    check_gqa_heads(heads_q, heads_kv, enable_gqa)
     if scale is not None and not scale > 0:
         raise ValueError(f"scale must be greater than 0, got {scale}")
     window = list(window_size)

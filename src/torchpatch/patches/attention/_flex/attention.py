@@ -12,6 +12,7 @@ import torch
 import torch._dynamo
 from torch import Tensor
 
+from .._heads import check_gqa_heads
 from ..flex_attention_aux import AuxOutput, AuxRequest
 from .block_mask import _LARGE_SPARSE_BLOCK_SIZE, BlockMask, _ordered_to_dense, _sliced_mask_mod_error
 from .mods import _MODULE, _score_mod_signature, evaluate, identity_score
@@ -60,13 +61,7 @@ def _validate(query: Tensor, key: Tensor, value: Tensor, block_mask: Optional[Bl
                          f"on {device} device.")
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise NotImplementedError("NYI: query, key, and value must be 4D tensors")
-    Hq, Hkv = query.size(1), key.size(1)
-    if not enable_gqa and Hq != Hkv:
-        raise ValueError(f"Expect query and key/value to have the same number of heads but got Hq={Hq} and "
-                         f"Hkv={Hkv}. Try setting enable_gqa=True for GQA.")
-    if enable_gqa and Hq % Hkv != 0:
-        raise ValueError(f"Expect number of query heads to be a multiple of kv heads for GQA but got Hq={Hq} and "
-                         f"Hkv={Hkv}.")
+    check_gqa_heads(query.size(1), key.size(1), enable_gqa)
     Bq, Bkv = query.size(0), key.size(0)
     if Bq != Bkv and block_mask is None:
         raise ValueError(f"Expect query and key/value to have the same batch size, or non-none block_mask, but "
