@@ -124,7 +124,7 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
         torches = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
         common = ["--steps", str(steps), "--seed-checkpoint", seed]
         reference = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
-                     for p in ("single", *parallels)}
+                     for p in dict.fromkeys(("single", "fsdp", *parallels))}  # fsdp: the native column
         for torch, python in torches.items():
             row: dict = {}
             native = reference["fsdp"] if torch == newest else run_example(
