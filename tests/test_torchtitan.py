@@ -22,6 +22,7 @@ Which release is installed on which torch is the noxfile's ``TORCHTITAN``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -75,6 +76,11 @@ NEWEST_NATIVE: Dict[str, table.Run] = {
 # recorded in FROM_SCRATCH, which the 2.9.0 session runs again (there the same configuration from the
 # seed checkpoint equals one process and 2.15.0's native run). 2.15.0's own run from scratch starts
 # elsewhere again (first loss 6.757, 2.4.1's and 2.9.0's 6.495), so it cannot be the reference.
+# On 2.4.1 the run starts from bitwise 2.9.0's weights and its first loss is 2.9.0's, but its first gradient
+# norm is 0.14% larger (2.4383 against 2.4349) and the losses drift apart from step 2 (2.8e-5 at step 8):
+# a wrong gradient this harness sees (4 steps with clipping at 1 hid it), not yet traced; strict xfail
+# until it is served.
+WRONG_ON_2_4 = pytest.mark.xfail(strict=True, reason="0.1.0's FSDP+TP+SAC on 2.4.1: first gradient norm 0.14% off 2.9.0's")
 TRAIN_FROM_SCRATCH: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.1.0", ">=2.4,<2.5"): ("fsdp+tp+sac",),
     ("0.1.0", "==2.9.*"): ("fsdp+tp+sac",),  # the recorded reference, still what 2.9.0 computes
@@ -93,6 +99,10 @@ IMPORTS_ALL = [("0.1.0", ">=2.4")]
 # flash-linear-attention, the Triton kernels of 0.3.0's Qwen3.5).
 NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.", "'fla'")
 STEPS = 8
+# torch 2.4-2.6 pipeline schedules sum the microbatches' gradients where 2.7+ average them (scale_grads):
+# their gradient norm is the microbatch count (8 sequences a step, torchtitan's microbatch size 1) times
+# one process's; AdamW's normalisation all but cancels it in the losses (1e-5). Torch's, not served.
+PP_SUMS_MICROBATCHES, PP_MICROBATCHES = "<2.7", 8
 WRONG_GRADIENT = 1.01  # rank 1's gradient of the model output, scaled: the comparison must see it
 
 
@@ -174,6 +184,10 @@ def _train_cases() -> List[Tuple[str, str]]:
             if torch_matches(spec)]
 
 
+def _grad_norms_times(run: table.Run, factor: float) -> table.Run:
+    return dataclasses.replace(run, grad_norms=[g * factor for g in run.grad_norms])
+
+
 @pytest.mark.parametrize("release, parallel", _train_cases() or [pytest.param("-", "-", marks=pytest.mark.skip(
     reason=f"no training run is recorded for torch {TORCH}"))])
 def test_trains_like_one_process(seeds, release, parallel):
@@ -183,12 +197,12 @@ def test_trains_like_one_process(seeds, release, parallel):
                             table.RANKS[parallel], True)
     assert not run.error and len(run.losses) == STEPS, run.error
     assert run.weights == reference.weights, "the run and one process start from other weights"
-    # float32 sums in another order (sharded matmuls, reduce-scatter); torch 2.4-2.6 pipeline schedules
-    # sum microbatch gradients where 2.7+ average them, which AdamW's normalisation all but cancels
-    assert table.compare(run, reference) <= table.TOLERANCE, (run, reference)
+    factor = PP_MICROBATCHES if parallel == "pp" and torch_matches(PP_SUMS_MICROBATCHES) else 1
+    # float32 sums in another order (sharded matmuls, reduce-scatter)
+    assert table.compare(run, _grad_norms_times(reference, factor)) <= table.TOLERANCE, (run, reference)
     assert run.losses[-1] < run.losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {run.losses}"
     if release in NEWEST_NATIVE:  # and the newest torch's native run, from bitwise the same weights
-        newest = NEWEST_NATIVE[release]
+        newest = _grad_norms_times(NEWEST_NATIVE[release], factor)
         assert run.weights == newest.weights, "this torch's seed checkpoint loads other weights than 2.15.0's run"
         assert table.compare(run, newest) <= table.TOLERANCE, (run, newest)
 
@@ -209,7 +223,8 @@ def test_sees_a_wrong_gradient(seeds, release):
 
 
 @pytest.mark.parametrize("release, parallel", [
-    (release, parallel) for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
+    pytest.param(release, parallel, marks=[WRONG_ON_2_4] if torch_matches("<2.5") else [])
+    for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
     if torch_matches(spec)] or [pytest.param("-", "-", marks=pytest.mark.skip(
         reason=f"no training run without a checkpoint is recorded for torch {TORCH}"))])
 def test_trains_without_checkpoint(release, parallel):
