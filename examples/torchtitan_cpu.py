@@ -7,7 +7,7 @@
 Under torchrun, rank 0 prints the digest of the weights training starts from (``{"weights": sha256}``,
 after the seed checkpoint is loaded) and one JSON line per step, ``{"step": k, "loss": x, "grad_norm":
 g}`` (with pipeline parallelism the loss lives on the last stage; it is taken from there). Every
-configuration trains on the same global batch of 8 sequences a step, each data-parallel rank on its own
+configuration trains on the same global batch of 4 sequences a step, each data-parallel rank on its own
 part of it, so a run on one process computes what every parallelism does (the reference); gradients
 are not clipped (``max_norm`` is infinite) and their norm is reported, so a gradient of the wrong scale
 shows. ``--debug-grad-scale S`` multiplies rank 1's gradient of the model's output by S (to show that
@@ -52,9 +52,9 @@ PARALLEL: Dict[str, Tuple[int, int, List[str], str]] = {
     "fsdp+tp+sac": (4, 2, ["--parallelism.data_parallel_shard_degree", "2",
                            "--parallelism.tensor_parallel_degree", "2"], "op"),
 }
-GLOBAL_BATCH = 8  # sequences a step, split over the data-parallel ranks
-SEQ_LEN = 64
-BATCHES = 50  # distinct global batches in the dataset (a longer run starts it again)
+GLOBAL_BATCH = 4  # sequences a step, split over the data-parallel ranks
+SEQ_LEN = 32
+BATCHES = 100  # distinct global batches in the dataset (a longer run starts it again)
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
          "tau upsilon phi chi psi omega torch patch train step loss rank mesh shard tensor").split()
 

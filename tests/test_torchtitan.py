@@ -61,10 +61,10 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
 # gloo (PREMUL_SUM), and the docs' table compares them with 2.15.0's one process.
 NEWEST_NATIVE: Dict[str, table.Run] = {
     "0.1.0": table.Run(
-        [6.607723236083984, 6.223719120025635, 5.198610305786133, 4.3171610832214355, 3.604271411895752,
-         3.1704089641571045, 3.0266778469085693, 3.056579113006592],
-        [2.4637680053710938, 2.315891742706299, 2.7285709381103516, 2.3472437858581543, 2.247135639190674,
-         2.3301048278808594, 2.136357307434082, 1.999495029449463],
+        [6.626339912414551, 6.335608005523682, 5.375094413757324, 4.6519775390625,
+         3.7562148571014404, 3.681603193283081, 3.1478872299194336, 3.375253438949585],
+        [2.6095712184906006, 2.6063737869262695, 2.8613197803497314, 2.679431438446045,
+         2.750938653945923, 2.344993829727173, 2.594881296157837, 2.8601725101470947],
         "e0a099c1dc37f75b05f875333128809319aa8e647a20b3790d21e9bbd9d8b46a", ""),
 }
 # (release, torch specifier) -> the parallelisms CI trains there from torchtitan's own seeded
@@ -74,8 +74,8 @@ NEWEST_NATIVE: Dict[str, table.Run] = {
 # built. On CPU each rank draws its shards from the same seed (DTensor's RNG tracker serves CUDA only),
 # so one process starts elsewhere; the reference is the same run on torch 2.9.0 with TORCHPATCH=1,
 # recorded in FROM_SCRATCH, which the 2.9.0 session runs again (there the same configuration from the
-# seed checkpoint equals one process and 2.15.0's native run). 2.15.0's own run from scratch starts
-# elsewhere again (first loss 6.757, 2.4.1's and 2.9.0's 6.495), so it cannot be the reference.
+# seed checkpoint equals one process and 2.15.0's native run). 2.15.0 initialises other weights (its own
+# run from scratch starts elsewhere), so it cannot be the reference.
 # On 2.4.1 the run starts from bitwise 2.9.0's weights and its first loss is 2.9.0's, but its first gradient
 # norm is 0.14% larger (2.4383 against 2.4349) and the losses drift apart from step 2 (2.8e-5 at step 8):
 # a wrong gradient this harness sees (4 steps with clipping at 1 hid it), not yet traced; strict xfail
@@ -87,10 +87,10 @@ TRAIN_FROM_SCRATCH: Dict[Tuple[str, str], Tuple[str, ...]] = {
 }
 FROM_SCRATCH: Dict[Tuple[str, str], table.Run] = {
     ("0.1.0", "fsdp+tp+sac"): table.Run(
-        [6.436885356903076, 6.118030548095703, 5.172757625579834, 4.7006916999816895, 4.146717548370361,
-         3.6889896392822266, 3.502831220626831, 3.5039777755737305],
-        [2.4349191188812256, 2.3027753829956055, 2.572706699371338, 2.6711978912353516, 3.025804281234741,
-         2.913357734680176, 2.66091251373291, 2.709078073501587],
+        [6.523015022277832, 6.104269981384277, 5.17910099029541, 4.78825044631958,
+         4.252833843231201, 4.18123197555542, 3.631288766860962, 3.8927674293518066],
+        [2.5889804363250732, 2.5607945919036865, 2.7853200435638428, 2.713812828063965,
+         3.261183261871338, 2.911200523376465, 2.9843177795410156, 3.08670973777771],
         "174558dca20986cbbff2a68652020583e19194ff705f34f867908276ab283431", ""),
 }
 # (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
@@ -100,10 +100,13 @@ IMPORTS_ALL = [("0.1.0", ">=2.4")]
 NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.", "'fla'")
 STEPS = 8
 # torch 2.4-2.6 pipeline schedules sum the microbatches' gradients where 2.7+ average them (scale_grads):
-# their gradient norm is the microbatch count (8 sequences a step, torchtitan's microbatch size 1) times
+# their gradient norm is the microbatch count (4 sequences a step, torchtitan's microbatch size 1) times
 # one process's; AdamW's normalisation all but cancels it in the losses (1e-5). Torch's, not served.
-PP_SUMS_MICROBATCHES, PP_MICROBATCHES = "<2.7", 8
+PP_SUMS_MICROBATCHES, PP_MICROBATCHES = "<2.7", 4
 WRONG_GRADIENT = 1.01  # rank 1's gradient of the model output, scaled: the comparison must see it
+# where CI shows it: 0.2.2's FSDP on 2.13, whose gradient division fsdp2-gloo-divide-factor serves
+WRONG_GRADIENT_CELL = ("0.2.2", "==2.13.*")
+DCP_STEPS = 4  # save at step 2, resume for steps 3 and 4
 
 
 # Where the import survey does not run: 0.1.0 is installed in the 2.9.0 session to train TP there (its
@@ -207,13 +210,12 @@ def test_trains_like_one_process(seeds, release, parallel):
         assert table.compare(run, newest) <= table.TOLERANCE, (run, newest)
 
 
-@pytest.mark.parametrize("release", sorted({r for (r, spec), p in TRAIN.items() if torch_matches(spec) and "fsdp" in p})
-                         or ["-"])
-def test_sees_a_wrong_gradient(seeds, release):
+def test_sees_a_wrong_gradient(seeds):
     """FSDP with rank 1's gradient scaled by 1.01 (``--debug-grad-scale``): the comparison with one
     process fails (the gradient norms differ by about 0.5%; the losses of two steps by about 1e-6 only)."""
-    if release == "-":
-        pytest.skip(f"no torchtitan release trains FSDP on torch {TORCH} here")
+    release, spec = WRONG_GRADIENT_CELL
+    if not torch_matches(spec):
+        pytest.skip(f"CI shows it with torchtitan {release} on torch {spec}")
     reference = _one_process(seeds, release)
     run = table.run_example(sys.executable, RELEASES[release], [
         "--parallel", "fsdp", "--steps", "2", "--seed-checkpoint", seeds[release],
@@ -243,9 +245,9 @@ def test_trains_without_checkpoint(release, parallel):
 @pytest.mark.parametrize("release", sorted({r for (r, spec), p in TRAIN.items() if torch_matches(spec) and "fsdp" in p})
                          or ["-"])
 def test_dcp_save_and_resume(release, tmp_path):
-    """FSDP: save a DCP checkpoint at step 2 of 8, resume from it: steps 3.. repeat the first run's."""
+    """FSDP: save a DCP checkpoint at step 2 of 4, resume from it: steps 3 and 4 repeat the first run's."""
     if release not in RELEASES:
         pytest.skip(f"no torchtitan release trains on torch {TORCH} here")
-    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), STEPS, True)
+    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), DCP_STEPS, True)
     assert not outcome["error"], outcome
-    assert len(outcome["losses"]) == STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome
+    assert len(outcome["losses"]) == DCP_STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome
