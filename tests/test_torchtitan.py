@@ -80,7 +80,7 @@ NEWEST_NATIVE: Dict[str, table.Run] = {
 # (with a batch of 8 x 64 tokens: first gradient norm 0.14% larger, losses 2.8e-5 apart at step 8):
 # a wrong gradient this harness sees (4 steps with clipping at 1 hid it), not yet traced; strict xfail
 # until it is served.
-WRONG_ON_2_4 = pytest.mark.xfail(strict=True, reason="0.1.0's FSDP+TP+SAC on 2.4.1: first gradient norm 0.14% off 2.9.0's")
+WRONG_ON_2_4 = pytest.mark.xfail(strict=True, reason="0.1.0's FSDP+TP+SAC on 2.4.1: its gradient differs from 2.9.0's")
 TRAIN_FROM_SCRATCH: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.1.0", ">=2.4,<2.5"): ("fsdp+tp+sac",),
     ("0.1.0", "==2.9.*"): ("fsdp+tp+sac",),  # the recorded reference, still what 2.9.0 computes
