@@ -101,7 +101,7 @@ NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torc
 STEPS = 8
 # torch 2.4-2.6 pipeline schedules sum the microbatches' gradients where 2.7+ average them (scale_grads):
 # their gradient norm is the microbatch count (4 sequences a step, torchtitan's microbatch size 1) times
-# one process's; AdamW's normalisation all but cancels it in the losses (1e-5). Torch's, not served.
+# one process's; AdamW's normalisation all but cancels it in the losses (within 1e-4). Torch's, not served.
 PP_SUMS_MICROBATCHES, PP_MICROBATCHES = "<2.7", 4
 WRONG_GRADIENT = 1.01  # rank 1's gradient of the model output, scaled: the comparison must see it
 # where CI shows it: 0.2.2's FSDP on 2.13, whose gradient division fsdp2-gloo-divide-factor serves
