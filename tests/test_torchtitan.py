@@ -188,6 +188,7 @@ def _train_cases() -> List[Tuple[str, str]]:
 
 
 def _grad_norms_times(run: table.Run, factor: float) -> table.Run:
+    """``run`` with its gradient norms multiplied by ``factor`` (a known difference of torch's)."""
     return dataclasses.replace(run, grad_norms=[g * factor for g in run.grad_norms])
 
 
