@@ -34,6 +34,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -348,6 +349,7 @@ def main(argv: List[str] | None = None) -> int:
 
     if dist.is_initialized():
         dist.barrier()
+    shutil.rmtree(work, ignore_errors=True)  # this rank's assets and scratch (os._exit skips any cleanup)
     sys.stdout.flush()
     os._exit(0)  # leave without gloo's teardown, which can hang on torch 2.1/2.4
 
