@@ -4,8 +4,14 @@
     python examples/torchtitan_cpu.py --make-seed-checkpoint /tmp/seed
     TORCHPATCH=1 torchrun --nproc_per_node 2 examples/torchtitan_cpu.py --parallel fsdp --steps 5 --seed-checkpoint /tmp/seed
 
-Under torchrun, rank 0 prints one JSON line per step: ``{"step": k, "loss": x}`` (with pipeline
-parallelism the loss lives on the last stage; it is taken from there). What makes a GPU trainer run
+Under torchrun, rank 0 prints the digest of the weights training starts from (``{"weights": sha256}``,
+after the seed checkpoint is loaded) and one JSON line per step, ``{"step": k, "loss": x, "grad_norm":
+g}`` (with pipeline parallelism the loss lives on the last stage; it is taken from there). Every
+configuration trains on the same global batch of 4 sequences a step, each data-parallel rank on its own
+part of it, so a run on one process computes what every parallelism does (the reference); gradients
+are not clipped (``max_norm`` is infinite) and their norm is reported, so a gradient of the wrong scale
+shows. ``--debug-grad-scale S`` multiplies rank 1's gradient of the model's output by S (to show that
+a wrong gradient is seen). What makes a GPU trainer run
 on a CPU machine lives here, not in torchpatch's catalogue: the device (torchtitan picks "cuda" when
 it finds no accelerator; this script points it at the CPU, so gloo is the backend), a byte-level
 tiktoken tokenizer and a small text dataset written on the spot (no downloads), float32 parameters
@@ -21,12 +27,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import hashlib
 import importlib
 import importlib.util
 import json
 import os
 import platform
 import random
+import shutil
 import socket
 import sys
 import tempfile
@@ -34,34 +42,51 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
-# --parallel -> (ranks, the trainer's parallelism flags, activation checkpointing: "none" or per-op
-# selective "op"). The seed checkpoint is made on one process.
-PARALLEL: Dict[str, Tuple[int, List[str], str]] = {
-    "single": (1, ["--parallelism.data_parallel_shard_degree", "1"], "none"),
-    "fsdp": (2, ["--parallelism.data_parallel_shard_degree", "2"], "none"),
-    "tp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], "none"),
-    "pp": (2, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
-               "--parallelism.pipeline_parallel_schedule", "1F1B"], "none"),
-    "fsdp+tp+sac": (4, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2"],
-                    "op"),
+# --parallel -> (ranks, data-parallel ranks, the trainer's parallelism flags, activation checkpointing:
+# "none" or per-op selective "op"). The seed checkpoint is made on one process.
+PARALLEL: Dict[str, Tuple[int, int, List[str], str]] = {
+    "single": (1, 1, ["--parallelism.data_parallel_shard_degree", "1"], "none"),
+    "fsdp": (2, 2, ["--parallelism.data_parallel_shard_degree", "2"], "none"),
+    "tp": (2, 1, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.tensor_parallel_degree", "2"], "none"),
+    "pp": (2, 1, ["--parallelism.data_parallel_shard_degree", "1", "--parallelism.pipeline_parallel_degree", "2",
+                  "--parallelism.pipeline_parallel_schedule", "1F1B"], "none"),
+    "fsdp+tp+sac": (4, 2, ["--parallelism.data_parallel_shard_degree", "2",
+                           "--parallelism.tensor_parallel_degree", "2"], "op"),
 }
+GLOBAL_BATCH = 4  # sequences a step, split over the data-parallel ranks
+SEQ_LEN = 32
+BATCHES = 100  # distinct global batches in the dataset (a longer run starts it again)
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma "
          "tau upsilon phi chi psi omega torch patch train step loss rank mesh shard tensor").split()
 
 
-def write_assets(folder: str) -> Dict[str, str]:
-    """A byte-level tiktoken vocabulary (256 tokens) and a 400-document JSON-lines dataset, the same
-    bytes on every rank and every run. Its second half repeats the first: torchtitan gives data-parallel
-    rank r of 2 the r-th contiguous half, so both ranks read the same batches and a data-parallel run
-    computes what one process does with the same local batch (the reference a test can compute)."""
+def documents() -> List[str]:
+    """BATCHES x GLOBAL_BATCH distinct documents of SEQ_LEN - 1 bytes: with the begin and end tokens
+    each is exactly one sample of SEQ_LEN + 1 tokens (every release packs samples from a token stream;
+    0.3 shifts labels within a document), so no sample spans two documents."""
+    rng = random.Random(0)
+    docs = []
+    for _ in range(BATCHES * GLOBAL_BATCH):
+        text = ""
+        while len(text) < SEQ_LEN - 1:
+            text += rng.choice(WORDS) + " "
+        docs.append(text[:SEQ_LEN - 1])
+    return docs
+
+
+def write_assets(folder: str, dp: int) -> Dict[str, str]:
+    """A byte-level tiktoken vocabulary (256 tokens) and the dataset in the order that gives each of
+    ``dp`` data-parallel ranks its own part of every global batch: torchtitan gives rank r the r-th
+    contiguous 1/dp of the file and reads GLOBAL_BATCH / dp documents a step, so the file holds rank
+    0's parts of batches 0, 1, ..., then rank 1's. The same global batches for every ``dp``."""
     os.makedirs(os.path.join(folder, "data"), exist_ok=True)
     tokenizer = os.path.join(folder, "tokenizer.model")
     with open(tokenizer, "w") as f:
         f.writelines(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(200)]
+    docs, local = documents(), GLOBAL_BATCH // dp
+    ordered = [docs[k * GLOBAL_BATCH + r * local + i] for r in range(dp) for k in range(BATCHES) for i in range(local)]
     with open(os.path.join(folder, "data", "train.json"), "w") as f:
-        f.writelines(json.dumps({"text": doc}) + "\n" for doc in docs + docs)
+        f.writelines(json.dumps({"text": doc}) + "\n" for doc in ordered)
     return {"tokenizer": tokenizer, "data": os.path.join(folder, "data"),
             "hf_assets": write_hf_tokenizer(folder) if API.hf_tokenizer else ""}
 
@@ -186,13 +211,14 @@ def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
     return lambda: Trainer(config)
 
 
-def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -> List[str]:
+def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str, dp: int) -> List[str]:
     """The trainer's flags, written in torchtitan 0.1's spelling and renamed for the installed release."""
     tokenizer = assets["hf_assets"] if API.hf_tokenizer else assets["tokenizer"]
     flags = [
         *API.model, "--model.tokenizer_path", tokenizer,
         "--training.dataset", "c4_test", "--training.dataset_path", assets["data"],
-        "--training.local_batch_size", "4", "--training.seq_len", "64", "--training.steps", str(args.steps),
+        "--training.local_batch_size", str(GLOBAL_BATCH // dp), "--training.seq_len", str(SEQ_LEN),
+        "--training.steps", str(args.steps), "--training.max_norm", "inf",
         *API.seed_flags, "--training.mixed_precision_param", "float32",
         "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", work,
         "--optimizer.implementation", "foreach",
@@ -203,7 +229,7 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -
                   "--checkpoint.folder", os.path.abspath(args.make_seed_checkpoint)]
         ac = "none"
     else:
-        _, parallel, ac = PARALLEL[args.parallel]
+        _, _, parallel, ac = PARALLEL[args.parallel]
         flags += parallel
     if args.seed_checkpoint or args.checkpoint_dir:
         flags += [API.enable_checkpoint, "--checkpoint.folder",
@@ -217,22 +243,69 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str) -
     return [API.flag.get(flag, flag) for flag in flags] + API.activation_checkpoint[ac]
 
 
-def print_losses(trainer) -> None:
-    """Rank 0 prints each logged step's loss; under pipeline parallelism ranks without the last stage
-    hold -1, so the largest value over all ranks is the loss."""
+def weights_digest(trainer) -> str:
+    """The SHA-256 of every parameter's full value (sharded ones gathered), by name over all ranks:
+    equal digests are bitwise equal weights, however they are parallelised."""
+    import torch.distributed as dist
+
+    digests = {}
+    for part in trainer.model_parts:
+        for name, param in sorted(part.named_parameters()):
+            value = param.full_tensor() if hasattr(param, "full_tensor") else param
+            name = name.replace("_checkpoint_wrapped_module.", "")  # activation checkpointing's wrapper
+            digests[name] = hashlib.sha256(value.detach().contiguous().numpy().tobytes()).hexdigest()
+    every: List[Dict[str, str]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, digests)
+    merged = {name: digest for part in every for name, digest in part.items()}
+    return hashlib.sha256(json.dumps(sorted(merged.items())).encode()).hexdigest()
+
+
+def instrument(trainer, grad_scale: float) -> None:
+    """Rank 0 prints the digest of the weights after the (seed) checkpoint is loaded and, for each
+    logged step, the loss and the gradients' total norm (what clipping computes; under pipeline
+    parallelism ranks without the last stage hold loss -1, so the largest value over all ranks is the
+    loss). ``grad_scale`` != 1 scales rank 1's gradient of the model output (a wrong gradient)."""
     import torch
     import torch.distributed as dist
 
-    log = trainer.metrics_processor.log
+    utils = importlib.import_module("torchtitan.distributed.utils")
+    clip, load, log = utils.clip_grad_norm_, trainer.checkpointer.load, trainer.metrics_processor.log
+    norms: List[float] = []
+
+    def clip_grad_norm_(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+        return norm
+
+    def loaded(*args, **kwargs):
+        result = load(*args, **kwargs)
+        digest = weights_digest(trainer)
+        if dist.get_rank() == 0:
+            print(json.dumps({"weights": digest}), flush=True)
+        return result
 
     def logged(step, global_avg_loss, global_max_loss, *rest, **kw):
         loss = torch.tensor([float(global_avg_loss)], dtype=torch.float64)
         dist.all_reduce(loss, op=dist.ReduceOp.MAX)
         if dist.get_rank() == 0:
-            print(json.dumps({"step": step, "loss": loss.item()}), flush=True)
+            print(json.dumps({"step": step, "loss": loss.item(), "grad_norm": norms[-1]}), flush=True)
         return log(step, global_avg_loss, global_max_loss, *rest, **kw)
 
-    trainer.metrics_processor.log = logged
+    utils.clip_grad_norm_, trainer.checkpointer.load, trainer.metrics_processor.log = clip_grad_norm_, loaded, logged
+    if grad_scale != 1 and dist.get_rank() == 1:
+
+        class ScaleGrad(torch.autograd.Function):
+            """The identity forward; backward multiplies the gradient by ``grad_scale``."""
+
+            @staticmethod
+            def forward(ctx, x):
+                return x.view_as(x)
+
+            @staticmethod
+            def backward(ctx, grad):
+                return grad * grad_scale
+
+        trainer.model_parts[0].register_forward_hook(lambda module, args, out: ScaleGrad.apply(out))
 
 
 def main(argv: List[str] | None = None) -> int:
@@ -245,6 +318,8 @@ def main(argv: List[str] | None = None) -> int:
     parser.add_argument("--checkpoint-dir", metavar="DIR", help="save DCP checkpoints here (and resume from the newest one in it)")
     parser.add_argument("--checkpoint-interval", type=int, default=500, help="steps between checkpoint saves (default 500)")
     parser.add_argument("--load-step", type=int, metavar="N", help="resume from the checkpoint of step N in --checkpoint-dir (default: the newest)")
+    parser.add_argument("--debug-grad-scale", type=float, default=1.0, metavar="S",
+                        help="multiply rank 1's gradient of the model output by S: a wrong gradient the comparison must see")
     args = parser.parse_args(argv)
     if "MASTER_PORT" not in os.environ:  # a plain `python` run is a one-process job, on a free port
         with socket.socket() as s:
@@ -254,18 +329,19 @@ def main(argv: List[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     if args.make_seed_checkpoint and os.environ["WORLD_SIZE"] != "1":
         parser.error("--make-seed-checkpoint runs on one process: use python, not torchrun with several ranks")
-    ranks = PARALLEL[args.parallel][0]
+    ranks, dp = PARALLEL[args.parallel][:2]
     if not args.make_seed_checkpoint and int(os.environ["WORLD_SIZE"]) != ranks:
         parser.error(f"--parallel {args.parallel} runs on {ranks} ranks: torchrun --nproc_per_node {ranks}")
 
     work = tempfile.mkdtemp(prefix=f"torchtitan-cpu-{os.environ['RANK']}-")
-    assets = write_assets(work)
-    trainer = configure_on_cpu(trainer_flags(args, assets, work))()
+    dp = 1 if args.make_seed_checkpoint else dp
+    assets = write_assets(work, dp)
+    trainer = configure_on_cpu(trainer_flags(args, assets, work, dp))()
     try:
         if args.make_seed_checkpoint:
             trainer.checkpointer.save(curr_step=0, **API.seed_save)
         else:
-            print_losses(trainer)
+            instrument(trainer, args.debug_grad_scale)
             trainer.train()
     finally:
         trainer.close()
@@ -273,6 +349,7 @@ def main(argv: List[str] | None = None) -> int:
 
     if dist.is_initialized():
         dist.barrier()
+    shutil.rmtree(work, ignore_errors=True)  # this rank's assets and scratch (os._exit skips any cleanup)
     sys.stdout.flush()
     os._exit(0)  # leave without gloo's teardown, which can hang on torch 2.1/2.4
 

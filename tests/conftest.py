@@ -302,8 +302,9 @@ mesh = init_device_mesh("cpu", (world,))
 
 
 # For pipelining rank scripts on torch 2.9 with gloo (put it after the imports): 2.9's warm-up sends
-# each stage an int64 tensor into a float32 buffer, and V placements post sends to their own rank, so
-# gloo aborts before the first step (a loud fault of 2.9, not what the tests measure; gone in 2.13).
+# each stage an int64 tensor into a float32 buffer (with TORCHPATCH=1 pipelining-gloo-warmup fixes that
+# part), and V placements post sends to their own rank, so gloo aborts before the first step (a loud
+# fault of 2.9, not what the tests measure; gone in 2.13).
 PIPELINING_GLOO_WARMUP = """
 from torch.distributed.pipelining.stage import _PipelineStageBase
 if "_get_init_p2p_neighbors_ops" in vars(_PipelineStageBase):

@@ -1,17 +1,19 @@
 """torchtitan's releases from the package index on the installed torch: every module imports, and its
-own trainer trains (examples/torchtitan_cpu.py) with the losses of one process.
+own trainer trains (examples/torchtitan_cpu.py) with the losses and gradient norms of one process over
+the same global batch (each data-parallel rank reads its own part), from bitwise the same weights; and
+a gradient scaled by 1.01 on one rank is seen.
 
 The releases are installed by the nox matrix sessions of torch >= 2.4 (``pip install --no-deps
 --target DIR torchtitan==X`` plus its light dependencies in the venv) and named in
 ``TORCHTITAN_TEST_RELEASES`` (``0.1.0=DIR,0.2.2=DIR,...``); without it (the README's quick
 ``nox -s tests``) every test here skips. The full release x torch x parallelism table, against the
 newest torch's native run, is made by ``tools/torchtitan_table.py``; CI runs the subset in ``TRAIN``
-(against one process on the same torch and, for 0.1.0, the recorded losses of 2.15.0's native run,
+(against one process on the same torch and, for 0.1.0, the recorded run of 2.15.0 natively,
 ``NEWEST_NATIVE``), which exercises every patch torchtitan 0.1.0 needs on torch 2.4 (FSDP:
 device-mesh-flatten, fsdp-public, fsdp2-cpu, gloo-avg; PP: pipeline-stage-inference,
 pipelining-gloo-p2p; all: flex-attention-module, dtensor-spec-module, tp-prepare-module-input-output,
 sdpa-kernel-priority and the DTensor patches; TP on 2.4 and 2.9: clip_grad_norm_ of partial gradients,
-dtensor-inplace-placement-change; FSDP+TP+SAC on 4 ranks: from the seed checkpoint on 2.9, without
+dtensor-inplace-placement-change; PP on 2.9: pipelining-gloo-warmup; FSDP+TP+SAC on 4 ranks: from the seed checkpoint on 2.9, without
 checkpointing on 2.4, ``TRAIN_FROM_SCRATCH``), and on torch 2.13, the oldest torch the newer releases
 train on (with the Triton that 2.13's CUDA builds bring), torchtitan 0.2.2's FSDP
 (fsdp2-gloo-divide-factor) and 0.3.0's pipeline parallel (pipelining-presplit-inputs, set-timeout).
@@ -20,6 +22,7 @@ Which release is installed on which torch is the noxfile's ``TORCHTITAN``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -38,24 +41,31 @@ RELEASES: Dict[str, str] = dict(
 )
 pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHTITAN_TEST_RELEASES)")
 
-# (release, torch specifier) -> the parallelisms CI trains there; one process on the same torch is the
-# reference (examples/torchtitan_cpu.py feeds every data-parallel rank the same batches).
+# (release, torch specifier) -> the parallelisms CI trains there; one process on the same torch over the
+# same global batch is the reference.
 TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp", "tp"),
-    # clip_grad_norm_ of partial gradients (dtensor-inplace-placement-change); FSDP+TP+SAC on 4 ranks
-    ("0.1.0", "==2.9.*"): ("tp", "fsdp+tp+sac"),
+    # clip_grad_norm_ of partial gradients (dtensor-inplace-placement-change); FSDP+TP+SAC on 4 ranks;
+    # PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
+    ("0.1.0", "==2.9.*"): ("tp", "fsdp+tp+sac", "pp"),
     ("0.2.2", "==2.13.*"): ("fsdp",),  # the oldest torch 0.2.2 trains on (fsdp2-gloo-divide-factor)
     ("0.3.0", "==2.13.*"): ("pp",),  # 0.3.0's FSDP needs 2.14's spmd_types support in FSDP2
 }
-# release -> the losses of torch 2.15.0's native run (TORCHPATCH unset) from the seed checkpoint, the newest
-# torch's run the docs' torchtitan table compares with: its fsdp, tp, pp and fsdp+tp+sac runs and its one process
-# agree to 1e-7, so one list serves every parallelism, and every training run here is also held to it
-# (the seed checkpoint each session makes on its own torch is the same). Recorded with
-# ``python tools/torchtitan_table.py --torch 2.15.0=PYTHON --release R=DIR --json F`` (its runs' "losses");
-# 0.2.2's and 0.3.0's are not recorded: 2.15.0's native FSDP fails on gloo (PREMUL_SUM), so one process
-# on the same torch is their reference in the table too.
-NEWEST_NATIVE: Dict[str, List[float]] = {
-    "0.1.0": [6.6573567390441895, 6.191562652587891, 5.347989082336426, 4.391916751861572],
+# release -> torch 2.15.0's native run on one process (TORCHPATCH unset; its fsdp, tp, pp and fsdp+tp+sac runs
+# equal it to 1e-5) from the seed checkpoint made on torch 2.9.0 with TORCHPATCH=1: the digest of the weights it
+# loads, its losses and gradient norms. The torches whose sessions train 0.1.0 (2.4, 2.9) make a seed checkpoint
+# that loads to bitwise these weights; 2.15.0 initialises other weights (its seed checkpoint differs), which
+# is why the docs' table makes one seed checkpoint on the oldest torch. Recorded with
+# ``python examples/torchtitan_cpu.py --parallel single --steps 8 --seed-checkpoint SEED`` on 2.15.0 (torch
+# 2.15.0 runs it bit for bit like 2.9.0). 0.2.2's and 0.3.0's are not recorded: 2.15.0's native FSDP fails on
+# gloo (PREMUL_SUM), and the docs' table compares them with 2.15.0's one process.
+NEWEST_NATIVE: Dict[str, table.Run] = {
+    "0.1.0": table.Run(
+        [6.626339912414551, 6.335608005523682, 5.375094413757324, 4.6519775390625,
+         3.7562148571014404, 3.681603193283081, 3.1478872299194336, 3.375253438949585],
+        [2.6095712184906006, 2.6063737869262695, 2.8613197803497314, 2.679431438446045,
+         2.750938653945923, 2.344993829727173, 2.594881296157837, 2.8601725101470947],
+        "e0a099c1dc37f75b05f875333128809319aa8e647a20b3790d21e9bbd9d8b46a", ""),
 }
 # (release, torch specifier) -> the parallelisms CI trains there from torchtitan's own seeded
 # initialisation with checkpointing off (what a user training without checkpoints runs), where the seed
@@ -64,21 +74,39 @@ NEWEST_NATIVE: Dict[str, List[float]] = {
 # built. On CPU each rank draws its shards from the same seed (DTensor's RNG tracker serves CUDA only),
 # so one process starts elsewhere; the reference is the same run on torch 2.9.0 with TORCHPATCH=1,
 # recorded in FROM_SCRATCH, which the 2.9.0 session runs again (there the same configuration from the
-# seed checkpoint equals one process and 2.15.0's native run). 2.15.0's own run from scratch starts
-# elsewhere again (first loss 6.757, 2.4.1's and 2.9.0's 6.495), so it cannot be the reference.
+# seed checkpoint equals one process and 2.15.0's native run). 2.15.0 initialises other weights (its own
+# run from scratch starts elsewhere), so it cannot be the reference.
+# On 2.4.1 the run starts from bitwise 2.9.0's weights and its first loss is 2.9.0's, but its gradient differs
+# (with a batch of 8 x 64 tokens: first gradient norm 0.14% larger, losses 2.8e-5 apart at step 8):
+# a wrong gradient this harness sees (4 steps with clipping at 1 hid it), not yet traced; strict xfail
+# until it is served.
+WRONG_ON_2_4 = pytest.mark.xfail(strict=True, reason="0.1.0's FSDP+TP+SAC on 2.4.1: its gradient differs from 2.9.0's")
 TRAIN_FROM_SCRATCH: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.1.0", ">=2.4,<2.5"): ("fsdp+tp+sac",),
     ("0.1.0", "==2.9.*"): ("fsdp+tp+sac",),  # the recorded reference, still what 2.9.0 computes
 }
-FROM_SCRATCH: Dict[Tuple[str, str], List[float]] = {
-    ("0.1.0", "fsdp+tp+sac"): [6.495377063751221, 5.944865703582764, 5.299325942993164, 4.731862545013428],
+FROM_SCRATCH: Dict[Tuple[str, str], table.Run] = {
+    ("0.1.0", "fsdp+tp+sac"): table.Run(
+        [6.523015022277832, 6.104269981384277, 5.17910099029541, 4.78825044631958,
+         4.252833843231201, 4.18123197555542, 3.631288766860962, 3.8927674293518066],
+        [2.5889804363250732, 2.5607945919036865, 2.7853200435638428, 2.713812828063965,
+         3.261183261871338, 2.911200523376465, 2.9843177795410156, 3.08670973777771],
+        "174558dca20986cbbff2a68652020583e19194ff705f34f867908276ab283431", ""),
 }
 # (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
 IMPORTS_ALL = [("0.1.0", ">=2.4")]
 # Third-party packages a release imports that its wheel does not require (CUDA-only or optional; 'fla':
 # flash-linear-attention, the Triton kernels of 0.3.0's Qwen3.5).
 NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.", "'fla'")
-STEPS = 4
+STEPS = 8
+# torch 2.4-2.6 pipeline schedules sum the microbatches' gradients where 2.7+ average them (scale_grads):
+# their gradient norm is the microbatch count (4 sequences a step, torchtitan's microbatch size 1) times
+# one process's; AdamW's normalisation all but cancels it in the losses (within 1e-4). Torch's, not served.
+PP_SUMS_MICROBATCHES, PP_MICROBATCHES = "<2.7", 4
+WRONG_GRADIENT = 1.01  # rank 1's gradient of the model output, scaled: the comparison must see it
+# where CI shows it: 0.2.2's FSDP on 2.13, whose gradient division fsdp2-gloo-divide-factor serves
+WRONG_GRADIENT_CELL = ("0.2.2", "==2.13.*")
+DCP_STEPS = 4  # save at step 2, resume for steps 3 and 4
 
 
 # Where the import survey does not run: 0.1.0 is installed in the 2.9.0 session to train TP there (its
@@ -133,12 +161,25 @@ def seeds(tmp_path_factory) -> Dict[str, str]:
     out = {}
     for release, path in RELEASES.items():
         seed = str(tmp_path_factory.mktemp(f"seed-{release}") / "seed")
-        _, error = table.run_example(sys.executable, path, ["--make-seed-checkpoint", seed], 1, True)
+        error = table.run_example(sys.executable, path, ["--make-seed-checkpoint", seed], 1, True).error
         out[release] = error or seed
     return out
 
 
-_ONE_PROCESS: Dict[str, Tuple[List[float], str]] = {}  # release -> the single-process run's (losses, error)
+_ONE_PROCESS: Dict[str, table.Run] = {}  # release -> the single-process run from its seed checkpoint
+
+
+def _one_process(seeds: Dict[str, str], release: str) -> table.Run:
+    """One process over the global batch, from the release's seed checkpoint: one run per release."""
+    if release not in RELEASES:
+        pytest.skip(f"torchtitan {release} is not installed")
+    assert os.path.isdir(seeds[release]), f"seed checkpoint: {seeds[release]}"
+    if release not in _ONE_PROCESS:
+        _ONE_PROCESS[release] = table.run_example(sys.executable, RELEASES[release], [
+            "--parallel", "single", "--steps", str(STEPS), "--seed-checkpoint", seeds[release]], 1, True)
+    reference = _ONE_PROCESS[release]
+    assert not reference.error and len(reference.losses) == STEPS, reference.error
+    return reference
 
 
 def _train_cases() -> List[Tuple[str, str]]:
@@ -146,44 +187,60 @@ def _train_cases() -> List[Tuple[str, str]]:
             if torch_matches(spec)]
 
 
+def _grad_norms_times(run: table.Run, factor: float) -> table.Run:
+    """``run`` with its gradient norms multiplied by ``factor`` (a known difference of torch's)."""
+    return dataclasses.replace(run, grad_norms=[g * factor for g in run.grad_norms])
+
+
 @pytest.mark.parametrize("release, parallel", _train_cases() or [pytest.param("-", "-", marks=pytest.mark.skip(
     reason=f"no training run is recorded for torch {TORCH}"))])
 def test_trains_like_one_process(seeds, release, parallel):
-    if release not in RELEASES:
-        pytest.skip(f"torchtitan {release} is not installed")
-    seed = seeds[release]
-    assert os.path.isdir(seed), f"seed checkpoint: {seed}"
-    args = ["--steps", str(STEPS), "--seed-checkpoint", seed]
-    if release not in _ONE_PROCESS:  # one reference run per release, for each parallelism
-        _ONE_PROCESS[release] = table.run_example(sys.executable, RELEASES[release], ["--parallel", "single", *args], 1, True)
-    reference, error = _ONE_PROCESS[release]
-    assert not error and len(reference) == STEPS, error
-    losses, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, *args],
-                                      table.RANKS[parallel], True)
-    assert not error and len(losses) == STEPS, error
-    # float32 sums in another order (sharded matmuls, reduce-scatter); torch 2.4-2.6 pipeline schedules
-    # sum microbatch gradients where 2.7+ average them, which AdamW's normalisation all but cancels
-    assert table.max_rel_diff(losses, reference) <= table.TOLERANCE, (losses, reference)
-    assert losses[-1] < losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {losses}"
-    if release in NEWEST_NATIVE:  # and the newest torch's native run (the docs' torchtitan table's reference)
-        newest = NEWEST_NATIVE[release]
-        assert table.max_rel_diff(losses, newest) <= table.TOLERANCE, (losses, newest)
+    reference = _one_process(seeds, release)
+    run = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(STEPS),
+                                                                "--seed-checkpoint", seeds[release]],
+                            table.RANKS[parallel], True)
+    assert not run.error and len(run.losses) == STEPS, run.error
+    assert run.weights == reference.weights, "the run and one process start from other weights"
+    factor = PP_MICROBATCHES if parallel == "pp" and torch_matches(PP_SUMS_MICROBATCHES) else 1
+    # float32 sums in another order (sharded matmuls, reduce-scatter)
+    assert table.compare(run, _grad_norms_times(reference, factor)) <= table.TOLERANCE, (run, reference)
+    assert run.losses[-1] < run.losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {run.losses}"
+    if release in NEWEST_NATIVE:  # and the newest torch's native run, from bitwise the same weights
+        newest = _grad_norms_times(NEWEST_NATIVE[release], factor)
+        assert run.weights == newest.weights, "this torch's seed checkpoint loads other weights than 2.15.0's run"
+        assert table.compare(run, newest) <= table.TOLERANCE, (run, newest)
+
+
+def test_sees_a_wrong_gradient(seeds):
+    """FSDP with rank 1's gradient scaled by 1.01 (``--debug-grad-scale``): the comparison with one
+    process fails (the gradient norms differ by about 0.5%; the losses of two steps by about 1e-6 only)."""
+    release, spec = WRONG_GRADIENT_CELL
+    if not torch_matches(spec):
+        pytest.skip(f"CI shows it with torchtitan {release} on torch {spec}")
+    reference = _one_process(seeds, release)
+    run = table.run_example(sys.executable, RELEASES[release], [
+        "--parallel", "fsdp", "--steps", "2", "--seed-checkpoint", seeds[release],
+        "--debug-grad-scale", str(WRONG_GRADIENT)], 2, True)
+    assert not run.error and len(run.losses) == 2 and run.weights == reference.weights, run
+    assert table.compare(run, reference) > table.TOLERANCE, (run, reference)
 
 
 @pytest.mark.parametrize("release, parallel", [
-    (release, parallel) for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
+    pytest.param(release, parallel, marks=[WRONG_ON_2_4] if torch_matches("<2.5") else [])
+    for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
     if torch_matches(spec)] or [pytest.param("-", "-", marks=pytest.mark.skip(
         reason=f"no training run without a checkpoint is recorded for torch {TORCH}"))])
 def test_trains_without_checkpoint(release, parallel):
     """No seed checkpoint, checkpointing off: the losses of the same run on torch 2.9.0 (recorded)."""
     if release not in RELEASES:
         pytest.skip(f"torchtitan {release} is not installed")
-    losses, error = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps",
-                                                                          str(STEPS)], table.RANKS[parallel], True)
-    assert not error and len(losses) == STEPS, error
+    run = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(STEPS)],
+                            table.RANKS[parallel], True)
+    assert not run.error and len(run.losses) == STEPS, run.error
     reference = FROM_SCRATCH[(release, parallel)]
-    assert table.max_rel_diff(losses, reference) <= table.TOLERANCE, (losses, reference)
-    assert losses[-1] < losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {losses}"
+    assert run.weights == reference.weights, "torchtitan's seeded initialisation gives other weights than on 2.9.0"
+    assert table.compare(run, reference) <= table.TOLERANCE, (run, reference)
+    assert run.losses[-1] < run.losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {run.losses}"
 
 
 @pytest.mark.parametrize("release", sorted({r for (r, spec), p in TRAIN.items() if torch_matches(spec) and "fsdp" in p})
@@ -192,6 +249,6 @@ def test_dcp_save_and_resume(release, tmp_path):
     """FSDP: save a DCP checkpoint at step 2 of 4, resume from it: steps 3 and 4 repeat the first run's."""
     if release not in RELEASES:
         pytest.skip(f"no torchtitan release trains on torch {TORCH} here")
-    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), STEPS, True)
+    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), DCP_STEPS, True)
     assert not outcome["error"], outcome
-    assert len(outcome["losses"]) == STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome
+    assert len(outcome["losses"]) == DCP_STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome

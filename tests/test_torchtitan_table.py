@@ -12,10 +12,12 @@ import torchtitan_table as table  # noqa: E402
 
 
 def _result(release: str, torches, error: str = "") -> dict:
-    run = {"losses": [2.0, 1.0], "error": error, "vs_reference": 0.0, "vs_one_process": 0.0}
+    run = {"losses": [2.0, 1.0], "grad_norms": [1.0, 1.0], "weights": "w", "error": error, "vs_reference": 0.0,
+           "is_reference": False, "reference": "native", "same_weights": True}
     resume = {"error": "", "losses": [2.0, 1.0], "vs_uninterrupted": 0.0}
     return {"release": release, "reference": torches[-1], "cannot_start": {"2.4.1": "ModuleNotFoundError: x"},
-            "runs": {t: {"native_fsdp_error": "", "dcp_resume": resume, **{p: run for p in table.PARALLELS}}
+            "runs": {t: {"native_fsdp_error": "", "dcp_resume": resume, "dcp_from_newest": resume,
+                         **{p: {**run, "is_reference": t == torches[-1]} for p in table.PARALLELS}}
                      for t in torches}}
 
 
@@ -38,3 +40,13 @@ def test_write_replaces_only_the_rows_of_the_releases_it_ran(tmp_path, monkeypat
                         ("0.10.0", "2.4.1"), ("0.10.0", "2.15.0")]
     assert [r for r in rows if r.startswith("| 0.2.2 |")] == again.splitlines()[2:]
     assert [r for r in rows if r.startswith("| 0.1.0 |")] == [r for r in first.splitlines() if r.startswith("| 0.1.0 |")]
+
+
+def test_the_reference_is_never_compared_with_itself():
+    """The newest torch's native runs are the reference: their cells say so and show the comparison
+    with its one process, never "equal" to themselves."""
+    rows = table.markdown([_result("0.1.0", ["2.9.0", "2.15.0"])]).splitlines()
+    older, newest = next(r for r in rows if "| 2.9.0 |" in r), next(r for r in rows if "2.15.0" in r)
+    assert "trains, equal (0.0e+00)" in older and "the reference" not in older
+    assert newest.count("the reference; one process: equal (0.0e+00)") == len(table.PARALLELS)
+    assert "trains, equal" not in newest

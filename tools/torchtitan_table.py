@@ -1,6 +1,6 @@
 """The torchtitan training table: each torchtitan release x torch x parallelism, trained with
-``examples/torchtitan_cpu.py`` under TORCHPATCH=1 from one seed checkpoint, per-step losses compared
-with the newest torch's native run (and with one process on the same torch).
+``examples/torchtitan_cpu.py`` under TORCHPATCH=1 from one seed checkpoint, per-step losses and gradient
+norms compared with the newest torch's native run, which is never compared with itself.
 
     python tools/torchtitan_table.py \\
         --torch 2.4.1=~/.cache/torchpatch/nox/matrix-torch-2-4-1/bin/python \\
@@ -10,11 +10,14 @@ with the newest torch's native run (and with one process on the same torch).
 ``--release V=DIR``: torchtitan V installed with ``pip install --no-deps --target DIR``. The seed
 checkpoint of a release is made once, by the oldest torch given that can run the release with
 TORCHPATCH=1 (newer torch reads older DCP checkpoints; the reverse does not hold; a torch that cannot
-even make it gets one row saying why), and every run starts from it. The newest torch given is the
-reference: its runs are native (TORCHPATCH unset); where a native run fails, the newest torch runs it
-with TORCHPATCH=1 and one process on the same torch is the reference. Each torch also runs its FSDP configuration with
-TORCHPATCH unset, to record what happens without torchpatch, and an FSDP run that saves a DCP
-checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's. ``--write`` puts the table into
+even make it gets one row saying why), and every run starts from it: each run's weights after loading it
+must be bitwise those of the reference. The newest torch given is the reference: its runs are native
+(TORCHPATCH unset); where a native run fails (FSDP with a gradient divide factor: gloo has no
+PREMUL_SUM), the reference is the newest torch's native run on one process over the same global batch,
+and the newest torch runs the parallelism with TORCHPATCH=1. Each torch also runs its FSDP configuration
+with TORCHPATCH unset, to record what happens without torchpatch; an FSDP run that saves a DCP
+checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's; and a
+resume from the newest torch's step-2 checkpoint (DCP across versions). ``--write`` puts the table into
 ``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the releases it ran
 and keeping the others.
 """
@@ -22,6 +25,7 @@ and keeping the others.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import re
@@ -30,8 +34,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 from packaging.version import Version
 
@@ -44,6 +49,16 @@ RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
 TOLERANCE = 1e-4  # relative, per step: float32 sums in another order on another torch
 
 
+@dataclass(frozen=True)
+class Run:
+    """What one run of the example printed, or why it failed."""
+
+    losses: List[float]
+    grad_norms: List[float]
+    weights: str  # the SHA-256 of the weights training started from ("" before that)
+    error: str
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,8 +66,8 @@ def _port() -> int:
 
 
 def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, torchpatch: bool,
-                timeout: float = 600) -> Tuple[List[float], str]:
-    """Run the example under torchrun (or plain python for one process): (per-step losses, error)."""
+                timeout: float = 600) -> Run:
+    """Run the example under torchrun (or plain python for one process)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTEST_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     # the release first; a PYTHONPATH already set (a torchpatch build shadowing the venv's) stays after it
@@ -65,9 +80,12 @@ def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, 
         proc = subprocess.run([python, *launcher, str(EXAMPLE), *args], env=env, capture_output=True,
                               text=True, timeout=timeout, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
-        return [], f"timed out after {timeout:.0f} s"
-    losses = [json.loads(line)["loss"] for line in proc.stdout.splitlines() if line.startswith('{"step"')]
-    return losses, "" if proc.returncode == 0 else first_error(proc.stderr)
+        return Run([], [], "", f"timed out after {timeout:.0f} s")
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"')]
+    steps = [line for line in lines if "step" in line]
+    weights = next((line["weights"] for line in lines if "weights" in line), "")
+    return Run([s["loss"] for s in steps], [s["grad_norm"] for s in steps], weights,
+               "" if proc.returncode == 0 else first_error(proc.stderr))
 
 
 def first_error(stderr: str) -> str:
@@ -89,18 +107,32 @@ def max_rel_diff(a: Sequence[float], b: Sequence[float]) -> Optional[float]:
     return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
 
 
-def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatch: bool) -> dict:
+def compare(run: Run, reference: Run, first: int = 0) -> Optional[float]:
+    """The largest relative difference of the per-step losses and gradient norms, from step ``first``
+    + 1 on (``reference``'s steps cut to ``run``'s); None where either has no steps or one failed."""
+    if run.error or reference.error or not run.losses or len(run.losses) > len(reference.losses) - first:
+        return None
+    end = first + len(run.losses)
+    diffs = [max_rel_diff(run.losses, reference.losses[first:end]),
+             max_rel_diff(run.grad_norms, reference.grad_norms[first:end])]
+    return None if None in diffs else max(diffs)
+
+
+def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatch: bool,
+               resume_python: str = "", save_torchpatch: Optional[bool] = None) -> dict:
     """FSDP for ``steps`` steps saving a DCP checkpoint at step 2, then a second run resuming from that
-    checkpoint: its steps 3.. must repeat the first run's. The first run starts from torchtitan's own
-    seeded initialisation, not a seed checkpoint: torchtitan 0.1.0 drops ``freqs_cis`` from its cached
-    model state dict when it loads a model-only checkpoint, so what it saves afterwards cannot be
-    resumed (on every torch)."""
+    checkpoint (on ``resume_python``'s torch where given: DCP across versions): its steps 3.. must
+    repeat the first run's (losses and gradient norms). The first run (TORCHPATCH=1 where
+    ``save_torchpatch``, default ``torchpatch``) starts from torchtitan's own seeded initialisation, not a
+    seed checkpoint: torchtitan 0.1.0 drops ``freqs_cis`` from its cached model state dict when it loads
+    a model-only checkpoint, so what it saves afterwards cannot be resumed (on every torch)."""
     common = ["--parallel", "fsdp", "--steps", str(steps), "--checkpoint-dir", folder]
-    whole, error = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], 2, torchpatch)
-    if error:
-        return {"error": error, "losses": whole, "vs_uninterrupted": None}
-    rest, error = run_example(python, release_dir, [*common, "--load-step", "2"], 2, torchpatch)
-    return {"error": error, "losses": whole[:2] + rest, "vs_uninterrupted": max_rel_diff(rest, whole[2:])}
+    saving = torchpatch if save_torchpatch is None else save_torchpatch
+    whole = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], 2, saving)
+    if whole.error:
+        return {"error": whole.error, "losses": whole.losses, "vs_uninterrupted": None}
+    rest = run_example(resume_python or python, release_dir, [*common, "--load-step", "2"], 2, torchpatch)
+    return {"error": rest.error, "losses": whole.losses[:2] + rest.losses, "vs_uninterrupted": compare(rest, whole, 2)}
 
 
 def survey_release(torches: Dict[str, str], release: str, release_dir: str, steps: int,
@@ -111,9 +143,9 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
         newest = list(torches)[-1]
         seed = str(work / "seed")
         result: dict = {"release": release, "seed_by": None, "seed_error": "", "reference": newest, "runs": {},
-                        "cannot_start": {}}
+                        "cannot_start": {}, "commit": _commit()}
         for torch, python in torches.items():  # the oldest torch that can make it
-            _, error = run_example(python, release_dir, ["--make-seed-checkpoint", seed], 1, True)
+            error = run_example(python, release_dir, ["--make-seed-checkpoint", seed], 1, True).error
             if not error:
                 result["seed_by"] = torch
                 break
@@ -123,56 +155,81 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
             return result
         torches = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
         common = ["--steps", str(steps), "--seed-checkpoint", seed]
-        reference = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
-                     for p in ("single", *parallels)}
+        native = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
+                  for p in dict.fromkeys(("single", "fsdp", *parallels))}  # fsdp: the native column
+        # where the newest torch's native run fails, its one process over the same global batch is the reference
+        reference = {p: run if not run.error else native["single"] for p, run in native.items()}
+        newest_dcp = str(work / "ckpt-newest")
         for torch, python in torches.items():
-            row: dict = {}
-            native = reference["fsdp"] if torch == newest else run_example(
-                python, release_dir, ["--parallel", "fsdp", *common], 2, False)
-            row["native_fsdp_error"] = native[1]
-            single = run_example(python, release_dir, ["--parallel", "single", *common], 1, True)
+            row: dict = {"native_fsdp_error": (native["fsdp"] if torch == newest else run_example(
+                python, release_dir, ["--parallel", "fsdp", *common], 2, False)).error}
             for p in parallels:
-                losses, error = reference[p] if torch == newest else ([], "")
-                if torch != newest or error:  # the newest torch with TORCHPATCH=1 where it fails natively
-                    losses, error = run_example(python, release_dir, ["--parallel", p, *common], RANKS[p], True)
-                row[p] = {"losses": losses, "error": error,
-                          "vs_reference": max_rel_diff(losses, reference[p][0]),
-                          "vs_one_process": max_rel_diff(losses, single[0])}
+                is_reference = torch == newest and not native[p].error
+                run = native[p] if is_reference else run_example(python, release_dir, ["--parallel", p, *common],
+                                                                 RANKS[p], True)
+                row[p] = {**asdict(run), "is_reference": is_reference,
+                          "reference": "native" if not native[p].error else "one process",
+                          "same_weights": run.weights == reference[p].weights,
+                          "vs_reference": compare(run, native["single"] if is_reference else reference[p])}
             row["dcp_resume"] = dcp_resume(python, release_dir, str(work / f"ckpt-{torch}"), steps, True)
+            if torch == newest:
+                row["dcp_from_newest"] = {"saves": True}
+            else:  # save on the newest torch (natively where its FSDP runs), resume here
+                shutil.rmtree(newest_dcp, ignore_errors=True)
+                row["dcp_from_newest"] = dcp_resume(torches[newest], release_dir, newest_dcp, steps, True,
+                                                    resume_python=python, save_torchpatch=bool(native["fsdp"].error))
             result["runs"][torch] = row
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _commit() -> str:
+    """The commit the table is measured at, and the date."""
+    sha = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return f"{sha.stdout.strip()} ({datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d})"
+
+
 def _cell(run: dict) -> str:
     if run["error"]:
         return f"fails: `{run['error']}`"
-    diff, what = run["vs_reference"], ""
-    if diff is None:  # the newest torch fails natively: one process on the same torch is the reference
-        diff, what = run["vs_one_process"], " to one process"
+    diff = run["vs_reference"]
     if diff is None:
         return "no losses"
-    return f"trains, {'equal' if diff <= TOLERANCE else 'DIFFERS'}{what} ({diff:.1e})"
+    verdict = f"{'equal' if diff <= TOLERANCE else 'DIFFERS'} ({diff:.1e})"
+    if run["is_reference"]:  # never compared with itself: with its one process instead
+        return f"the reference; one process: {verdict}"
+    if not run["same_weights"]:
+        return f"starts from other weights than the reference; {verdict}"
+    return f"trains, {verdict}" + (" to one process" if run["reference"] == "one process" else "")
+
+
+def _dcp(resume: Optional[dict]) -> str:
+    if resume is None:
+        return "not measured"
+    if resume.get("saves"):
+        return "saves the checkpoint the older torches resume"
+    if resume["error"]:
+        return f"fails: `{resume['error']}`"
+    diff = resume["vs_uninterrupted"]
+    return "resumes, equal" if diff is not None and diff <= TOLERANCE else "resumes, DIFFERS"
 
 
 def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
     """The table: one row per release x torch."""
-    lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels) + " | DCP save + resume |",
-             "|---|---|---|" + "---|" * len(parallels) + "---|"]
+    lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels)
+             + " | DCP save + resume | DCP from the newest torch |",
+             "|---|---|---|" + "---|" * len(parallels) + "---|---|"]
     for r in results:
         for torch, error in r.get("cannot_start", {}).items():
             lines.append(f"| {r['release']} | {torch} | cannot start with TORCHPATCH=1: `{error}` |"
-                         + " |" * (len(parallels) + 1))
+                         + " |" * (len(parallels) + 2))
         for torch, row in r["runs"].items():
             native = "trains" if not row["native_fsdp_error"] else f"`{row['native_fsdp_error']}`"
-            resume = row["dcp_resume"]
-            dcp = (f"fails: `{resume['error']}`" if resume["error"] else
-                   "resumes, equal" if (resume["vs_uninterrupted"] or 0) <= TOLERANCE and resume["vs_uninterrupted"] is not None
-                   else "resumes, DIFFERS")
             ref = " (reference: native)" if torch == r["reference"] else ""
             lines.append(f"| {r['release']} | {torch}{ref} | {native} | "
-                         + " | ".join(_cell(row[p]) for p in parallels) + f" | {dcp} |")
+                         + " | ".join(_cell(row[p]) for p in parallels)
+                         + f" | {_dcp(row['dcp_resume'])} | {_dcp(row.get('dcp_from_newest'))} |")
     return "\n".join(lines)
 
 
@@ -209,7 +266,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--release", action="append", default=[], metavar="VERSION=DIR",
                         help="a torchtitan release installed with pip install --no-deps --target DIR")
     parser.add_argument("--parallel", action="append", choices=PARALLELS, help="default: all")
-    parser.add_argument("--steps", type=int, default=4, help="training steps per run (default 4)")
+    parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/torchtitan.md")
     parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
     parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
@@ -227,6 +284,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     results = [survey_release(torches, release, path, args.steps, parallels) for release, path in releases.items()]
     table = markdown(results, parallels)
     print(table)
+    print("measured at " + ", ".join(f"{r['release']}: {r['commit']}" for r in results), file=sys.stderr)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write:
