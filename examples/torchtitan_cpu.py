@@ -334,22 +334,24 @@ def main(argv: List[str] | None = None) -> int:
         parser.error(f"--parallel {args.parallel} runs on {ranks} ranks: torchrun --nproc_per_node {ranks}")
 
     work = tempfile.mkdtemp(prefix=f"torchtitan-cpu-{os.environ['RANK']}-")
-    dp = 1 if args.make_seed_checkpoint else dp
-    assets = write_assets(work, dp)
-    trainer = configure_on_cpu(trainer_flags(args, assets, work, dp))()
-    try:
-        if args.make_seed_checkpoint:
-            trainer.checkpointer.save(curr_step=0, **API.seed_save)
-        else:
-            instrument(trainer, args.debug_grad_scale)
-            trainer.train()
+    try:  # this rank's assets and scratch go when it leaves, failed or not (os._exit skips any cleanup)
+        dp = 1 if args.make_seed_checkpoint else dp
+        assets = write_assets(work, dp)
+        trainer = configure_on_cpu(trainer_flags(args, assets, work, dp))()
+        try:
+            if args.make_seed_checkpoint:
+                trainer.checkpointer.save(curr_step=0, **API.seed_save)
+            else:
+                instrument(trainer, args.debug_grad_scale)
+                trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
+        shutil.rmtree(work, ignore_errors=True)
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
-    shutil.rmtree(work, ignore_errors=True)  # this rank's assets and scratch (os._exit skips any cleanup)
     sys.stdout.flush()
     os._exit(0)  # leave without gloo's teardown, which can hang on torch 2.1/2.4
 
