@@ -1,5 +1,5 @@
-"""tools/torchtitan_table.py without torchtitan: the docs' table of the releases it ran replaces only
-those releases' rows (a release is trained again without training the others)."""
+"""tools/torchtitan_table.py without torchtitan: the docs' table of the release x torch pairs it ran
+replaces only those rows (a release, or a torch, is trained again without training the others)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _result(release: str, torches, error: str = "") -> dict:
                      for t in torches}}
 
 
-def test_write_replaces_only_the_rows_of_the_releases_it_ran(tmp_path, monkeypatch):
+def test_write_replaces_only_the_rows_it_ran(tmp_path, monkeypatch):
     page = tmp_path / "torchtitan.md"
     first = table.markdown([_result("0.1.0", ["2.4.1", "2.15.0"]), _result("0.2.2", ["2.14.1", "2.15.0"]),
                             _result("0.10.0", ["2.15.0"])])
@@ -40,6 +40,12 @@ def test_write_replaces_only_the_rows_of_the_releases_it_ran(tmp_path, monkeypat
                         ("0.10.0", "2.4.1"), ("0.10.0", "2.15.0")]
     assert [r for r in rows if r.startswith("| 0.2.2 |")] == again.splitlines()[2:]
     assert [r for r in rows if r.startswith("| 0.1.0 |")] == [r for r in first.splitlines() if r.startswith("| 0.1.0 |")]
+
+    newer = table.markdown([_result("0.2.2", ["2.9.0", "2.15.0"], error="RuntimeError: z")])
+    table.write_page(newer)
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    assert [r for r in rows if r.startswith("| 0.2.2 |")] == [
+        *newer.splitlines()[2:4], *again.splitlines()[3:5], newer.splitlines()[4]]  # 2.4.1, 2.9.0 | 2.13.0, 2.14.1 | 2.15.0
 
 
 def test_the_reference_is_never_compared_with_itself():

@@ -18,8 +18,8 @@ and the newest torch runs the parallelism with TORCHPATCH=1. Each torch also run
 with TORCHPATCH unset, to record what happens without torchpatch; an FSDP run that saves a DCP
 checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's; and a
 resume from the newest torch's step-2 checkpoint (DCP across versions). ``--write`` puts the table into
-``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the releases it ran
-and keeping the others.
+``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the release x torch
+pairs it ran and keeping the others.
 """
 
 from __future__ import annotations
@@ -234,19 +234,21 @@ def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
 
 
 def write_page(table: str) -> None:
-    """Put the table into its docs page; the rows of releases this table does not hold stay (a release is
-    trained again without training the others), in release order."""
+    """Put the table into its docs page, replacing the rows of the release x torch pairs it holds; the
+    other rows stay (a release or a torch is trained again without the others), in release and torch order."""
     text = PAGE.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
     header, rows = table.splitlines()[:2], table.splitlines()[2:]
-    ran = {_row_release(row) for row in rows}
-    kept = [row for row in text[start:end].strip().splitlines()[2:] if _row_release(row) not in ran]
-    rows = sorted(kept + rows, key=lambda row: Version(_row_release(row)))  # stable: torch order kept
+    ran = {_row_key(row) for row in rows}
+    kept = [row for row in text[start:end].strip().splitlines()[2:] if _row_key(row) not in ran]
+    rows = sorted(kept + rows, key=lambda row: tuple(Version(v) for v in _row_key(row)))
     PAGE.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
 
 
-def _row_release(row: str) -> str:
-    return row.split("|")[1].strip()
+def _row_key(row: str) -> tuple:
+    """(release, torch) of a table row."""
+    cells = row.split("|")
+    return cells[1].strip(), cells[2].split()[0]
 
 
 def _pairs(values: Sequence[str], what: str) -> Dict[str, str]:
