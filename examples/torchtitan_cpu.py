@@ -31,6 +31,7 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -243,28 +244,45 @@ def trainer_flags(args: argparse.Namespace, assets: Dict[str, str], work: str, d
     return [API.flag.get(flag, flag) for flag in flags] + API.activation_checkpoint[ac]
 
 
-def weights_digest(trainer) -> str:
-    """The SHA-256 of every parameter's full value (sharded ones gathered), by name over all ranks:
-    equal digests are bitwise equal weights, however they are parallelised."""
+def _over_ranks(trainer, value: Callable[[Any], Any], grads: bool = False) -> Dict[str, Any]:
+    """``value`` of every parameter's full tensor (sharded ones gathered), or of its full gradient, by
+    name over all ranks (pipeline stages hold different parameters)."""
     import torch.distributed as dist
 
-    digests = {}
+    values = {}
     for part in trainer.model_parts:
         for name, param in sorted(part.named_parameters()):
-            value = param.full_tensor() if hasattr(param, "full_tensor") else param
-            name = name.replace("_checkpoint_wrapped_module.", "")  # activation checkpointing's wrapper
-            digests[name] = hashlib.sha256(value.detach().contiguous().numpy().tobytes()).hexdigest()
-    every: List[Dict[str, str]] = [{} for _ in range(dist.get_world_size())]
-    dist.all_gather_object(every, digests)
-    merged = {name: digest for part in every for name, digest in part.items()}
-    return hashlib.sha256(json.dumps(sorted(merged.items())).encode()).hexdigest()
+            tensor = param.grad if grads else param
+            if tensor is None:
+                continue
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            values[name.replace("_checkpoint_wrapped_module.", "")] = value(full.detach())  # activation checkpointing's wrapper
+    every: List[Dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(every, values)
+    return {name: v for part in every for name, v in part.items()}
+
+
+def weights_digest(trainer) -> str:
+    """The SHA-256 of every parameter's full value, by name: equal digests are bitwise equal weights,
+    however they are parallelised."""
+    digests = _over_ranks(trainer, lambda t: hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest())
+    return hashlib.sha256(json.dumps(sorted(digests.items())).encode()).hexdigest()
+
+
+def grad_norm(trainer) -> float:
+    """The gradients' total norm, summed in float64 from each parameter's full gradient: what the
+    optimizer is given, however the run is parallelised. torchtitan's own clipping norm sums in float32,
+    over shards for FSDP and TP: on 0.3.0's debug model it reads 1.3e-4 (one process) and 5e-5 (FSDP,
+    TP) below this, so it differs between parallelisms that give the same gradients."""
+    squares = _over_ranks(trainer, lambda t: float(t.double().pow(2).sum()), grads=True)
+    return math.fsum(squares.values()) ** 0.5
 
 
 def instrument(trainer, grad_scale: float) -> None:
     """Rank 0 prints the digest of the weights after the (seed) checkpoint is loaded and, for each
-    logged step, the loss and the gradients' total norm (what clipping computes; under pipeline
-    parallelism ranks without the last stage hold loss -1, so the largest value over all ranks is the
-    loss). ``grad_scale`` != 1 scales rank 1's gradient of the model output (a wrong gradient)."""
+    logged step, the loss and the gradients' total norm (``grad_norm``, taken where torchtitan clips;
+    under pipeline parallelism ranks without the last stage hold loss -1, so the largest value over all
+    ranks is the loss). ``grad_scale`` != 1 scales rank 1's gradient of the model output (a wrong gradient)."""
     import torch
     import torch.distributed as dist
 
@@ -273,9 +291,8 @@ def instrument(trainer, grad_scale: float) -> None:
     norms: List[float] = []
 
     def clip_grad_norm_(*args, **kwargs):
-        norm = clip(*args, **kwargs)
-        norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-        return norm
+        norms.append(grad_norm(trainer))  # before clipping (none: max_norm is inf)
+        return clip(*args, **kwargs)
 
     def loaded(*args, **kwargs):
         result = load(*args, **kwargs)

@@ -46,7 +46,7 @@ PAGE = REPO / "docs" / "torchtitan.md"  # the docs page that holds the table
 MARKERS = ("<!-- torchtitan-table:start -->", "<!-- torchtitan-table:end -->")
 PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac")
 RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
-TOLERANCE = 1e-4  # relative, per step: float32 sums in another order on another torch
+TOLERANCE = 1e-5  # relative, per step (the bar): float32 sums in another order, another parallelism or torch
 
 
 @dataclass(frozen=True)
