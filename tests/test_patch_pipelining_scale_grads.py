@@ -14,9 +14,9 @@ from typing import Dict, Tuple
 import pytest
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, PIPELINING_GLOO_WARMUP, RESULT, clean_env, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies
+    PIPELINING_GLOO_WARMUP, clean_env, patch_applies_here, ranks_result, through_patch_range, where_patch_applies
 )
+from pipeline_scripts import merged_tail
 
 ID = "pipelining-scale-grads"
 SCHEDULES = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS")
@@ -70,23 +70,12 @@ for name in SCHEDULES:
         schedule.step(*([x] if rank == 0 else []), target=y if rank == world - 1 else None)
         found = {verdict([p.grad for p in mods[s].parameters()], [q.grad for q in ref[s].parameters()]) for s in mine}
         out[f"{name}/{variant}/{rank}"] = found.pop() if len(found) == 1 else sorted(found)
-import torchpatch
-out["status"] = torchpatch.status().get(ID)
-gathered = [None] * world
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    merged = {}
-    for o in gathered:
-        merged.update(o)
-    merged["status"] = [o["status"] for o in gathered]
-    print(RESULT + json.dumps(merged), flush=True)
 """
 
 
 def _run(tmp_path, schedules: Tuple[str, ...] = SCHEDULES, **env: str) -> Dict[str, object]:
-    script = (TEMPLATE.replace("GLOO_WARMUP", PIPELINING_GLOO_WARMUP).replace("RESULT", repr(RESULT))
-              .replace("ID", repr(ID)).replace("SCHEDULES", repr(schedules)).replace("VARIANTS", repr(VARIANTS))
-              + LEAVE_WITHOUT_TEARDOWN)
+    script = (TEMPLATE.replace("GLOO_WARMUP", PIPELINING_GLOO_WARMUP).replace("SCHEDULES", repr(schedules))
+              .replace("VARIANTS", repr(VARIANTS)) + merged_tail(ID))
     return ranks_result(script, tmp_path=tmp_path, env=clean_env(**env), timeout=300)
 
 
