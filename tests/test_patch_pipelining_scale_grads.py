@@ -5,8 +5,9 @@ Schedule1F1B and ScheduleGPipe (one stage per rank), ScheduleInterleaved1F1B and
 (two per rank), each built without ``scale_grads``, with ``scale_grads=True`` and with False. The
 reference is the same model on one process over the whole batch (its loss is the mean of the
 microbatch losses): every stage's gradients must equal it (``"mean"``) by default and with True, and 4
-times it (``"sum"``) with False, as torch 2.15 gives natively. On torch 2.4 without the patch the
-default is the sum and ``scale_grads=`` a TypeError.
+times it (``"sum"``) with False, as torch 2.15 gives natively; ``scale_grads`` is in the constructors'
+signatures and kept as ``schedule.scale_grads``. On torch 2.4 without the patch the default is the sum
+and ``scale_grads=`` a TypeError.
 """
 
 from typing import Dict, Tuple
@@ -23,7 +24,7 @@ SCHEDULES = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "Schedu
 VARIANTS = ("default", "True", "False")
 
 TEMPLATE = """
-import copy, json, torch, torch.distributed as dist, torch.nn as nn
+import copy, inspect, json, torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules
 GLOO_WARMUP
@@ -56,6 +57,7 @@ for name in SCHEDULES:
         ref_out = block(ref_out)
     loss_fn(ref_out, y).backward()
     mine = list(range(rank, n_stages, world))
+    out[f"{name}/signature"] = "scale_grads" in inspect.signature(getattr(schedules, name)).parameters
     for variant in VARIANTS:
         mods = {s: copy.deepcopy(blocks[s]) for s in mine}
         stages = [PipelineStage(mods[s], s, n_stages, torch.device("cpu"), input_args=torch.zeros(batch // n_mb, dim))
@@ -67,6 +69,8 @@ for name in SCHEDULES:
         except TypeError as e:
             out[f"{name}/{variant}/{rank}"] = "TypeError" if "scale_grads" in str(e) else repr(e)
             continue
+        kept = getattr(schedule, "scale_grads", None)  # none where the constructor has no scale_grads
+        assert kept is ((variant != "False") if out[f"{name}/signature"] else None), (name, variant, kept)
         schedule.step(*([x] if rank == 0 else []), target=y if rank == world - 1 else None)
         found = {verdict([p.grad for p in mods[s].parameters()], [q.grad for q in ref[s].parameters()]) for s in mine}
         out[f"{name}/{variant}/{rank}"] = found.pop() if len(found) == 1 else sorted(found)
@@ -79,10 +83,11 @@ def _run(tmp_path, schedules: Tuple[str, ...] = SCHEDULES, **env: str) -> Dict[s
     return ranks_result(script, tmp_path=tmp_path, env=clean_env(**env), timeout=300)
 
 
-def _expected(default: str, true: str, false: str, schedules: Tuple[str, ...] = SCHEDULES) -> Dict[str, str]:
+def _expected(default: str, true: str, false: str, schedules: Tuple[str, ...] = SCHEDULES) -> Dict[str, object]:
     by_variant = {"default": default, "True": true, "False": false}
-    return {f"{name}/{variant}/{rank}": by_variant[variant]
-            for name in schedules for variant in VARIANTS for rank in (0, 1)}
+    return {**{f"{name}/signature": true != "TypeError" for name in schedules},
+            **{f"{name}/{variant}/{rank}": by_variant[variant]
+               for name in schedules for variant in VARIANTS for rank in (0, 1)}}
 
 
 # Without TORCHPATCH torch 2.4's 1F1B and interleaved schedules hang on gloo (pipelining-gloo-p2p), which

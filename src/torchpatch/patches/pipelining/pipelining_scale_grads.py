@@ -13,7 +13,7 @@ What breaks:   torch 2.7 made every pipeline schedule divide each stage's gradie
 Torch:         2.4-2.6 (torch 2.7 added ``scale_grads`` to the schedules and
                ``_PipelineStageBase.scale_grads``; read in the inventories and 2.7-2.15's sources).
 Fix:           every schedule constructor of torch's ``schedules`` module accepts ``scale_grads``
-               (keyword, default True) and keeps it as ``schedule.scale_grads``; the schedules that
+               (keyword, default True; in its signature too) and keeps it as ``schedule.scale_grads``; the schedules that
                run backwards (``ScheduleGPipe``, ``Schedule1F1B``, the ``PipelineScheduleMulti`` loop
                behind Interleaved1F1B, LoopedBFS and 2.5-2.6's zero-bubble schedules, and 2.5-2.6's
                ``_PipelineScheduleRuntime`` for CSV / action lists) call ``stage.scale_grads(n)``
@@ -29,8 +29,9 @@ Upstream:      https://github.com/pytorch/pytorch/pull/144352 (``scale_grads``, 
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 
@@ -62,11 +63,21 @@ def scale_grads(self: Any, grad_scale_factor: int) -> None:
                 p.grad.div_(grad_scale_factor)
 
 
-def _init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-    kwargs = dict(kwargs)
-    scale = kwargs.pop("scale_grads", True)
-    wrapped(*args, **kwargs)
-    instance.scale_grads = scale  # after the base's own __init__ (which set the default) returned
+def _accepting_scale_grads(init: Callable[..., None]) -> Callable[..., None]:
+    """``init`` (a schedule's ``__init__``) with 2.7's ``scale_grads`` (a keyword, default True, kept as
+    ``schedule.scale_grads``), in its signature too (code tells the averaging torch by it)."""
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, scale_grads: bool = True, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.scale_grads = scale_grads  # after the base's own __init__ (which set the default) returned
+
+    signature = inspect.signature(init)
+    params = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is inspect.Parameter.VAR_KEYWORD), len(params))
+    params.insert(at, inspect.Parameter("scale_grads", inspect.Parameter.KEYWORD_ONLY, default=True, annotation=bool))
+    __init__.__signature__ = signature.replace(parameters=params)  # type: ignore[attr-defined]
+    return __init__
 
 
 def _step_microbatches(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -96,7 +107,7 @@ def schedules_scale_grads(patcher: Patcher, schedules: Any) -> bool:
            if isinstance(cls, type) and issubclass(cls, base) and cls.__module__ == SCHEDULES]
     for cls in own:
         if "__init__" in vars(cls):
-            patcher.wrap(cls, "__init__", _init)
+            patcher.setattr(cls, "__init__", _accepting_scale_grads(vars(cls)["__init__"]))
         if cls.__name__ in _STEPPING and "_step_microbatches" in vars(cls):
             patcher.wrap(cls, "_step_microbatches", _step_microbatches)
     return True
