@@ -12,10 +12,11 @@ What breaks:   torch 2.7 made every pipeline schedule divide each stage's gradie
                4 times one process's; its losses stay close only because AdamW normalises.
 Torch:         2.4-2.6 (torch 2.7 added ``scale_grads`` to the schedules and
                ``_PipelineStageBase.scale_grads``; read in the inventories and 2.7-2.15's sources).
+               2.5 and 2.6 are not in CI's matrix: their schedules were read in the inventories only.
 Fix:           every schedule constructor of torch's ``schedules`` module accepts ``scale_grads``
-               (keyword, default True; in its signature too) and keeps it as ``schedule.scale_grads``; the schedules that
-               run backwards (``ScheduleGPipe``, ``Schedule1F1B``, the ``PipelineScheduleMulti`` loop
-               behind Interleaved1F1B, LoopedBFS and 2.5-2.6's zero-bubble schedules, and 2.5-2.6's
+               (keyword, default True; in its signature too) and keeps it as
+               ``schedule.scale_grads``; the schedules that run backwards (``ScheduleGPipe``,
+               ``Schedule1F1B``, the ``PipelineScheduleMulti`` loop behind Interleaved1F1B, LoopedBFS and 2.5-2.6's zero-bubble schedules, and 2.5-2.6's
                ``_PipelineScheduleRuntime`` for CSV / action lists) call ``stage.scale_grads(n)``
                (``n`` = ``n_microbatches`` with ``scale_grads=True``, 1 with False) on each of the
                rank's stages after the step's backwards, as 2.15 does after a stage's last backward;
