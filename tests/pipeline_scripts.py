@@ -41,3 +41,24 @@ def schedule_script(schedule: str, lookup: str, batch: int, patch_id: str, body:
             .replace("LOOKUP", repr(lookup)).replace("BATCH_SIZE", str(batch)))
     tail = TAIL.replace("RESULT", repr(RESULT)).replace("ID", repr(patch_id))
     return head + body + tail + LEAVE_WITHOUT_TEARDOWN
+
+
+# The end of a rank script whose ranks each put their own keys in ``out``: rank 0 prints them merged,
+# with ``status`` the patch's status on every rank, in rank order.
+MERGED_TAIL = """
+import torchpatch
+out["status"] = torchpatch.status().get(ID)
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, out)
+if dist.get_rank() == 0:
+    merged = {}
+    for o in gathered:
+        merged.update(o)
+    merged["status"] = [o["status"] for o in gathered]
+    print(RESULT + json.dumps(merged), flush=True)
+"""
+
+
+def merged_tail(patch_id: str) -> str:
+    """:data:`MERGED_TAIL` for ``patch_id``, then the rank's exit without teardown."""
+    return MERGED_TAIL.replace("RESULT", repr(RESULT)).replace("ID", repr(patch_id)) + LEAVE_WITHOUT_TEARDOWN

@@ -111,9 +111,10 @@ def test_not_served_without_pipelining():
 
 
 # Two ranks, one stage each, a schedule class looked up by name; every rank also computes the whole
-# model on its own (same seed, same microbatches, one backward per microbatch like the pipeline).
+# model on its own (same seed, same microbatches, one backward per microbatch like the pipeline, then
+# divided by their number where the schedule averages them, scale_grads).
 GPIPE = """
-import copy, datetime, json, torch, torch.distributed as dist, torch.nn as nn
+import copy, datetime, inspect, json, torch, torch.distributed as dist, torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
@@ -130,6 +131,9 @@ for xm, ym in zip(x.chunk(n_mb), y.chunk(n_mb)):
     loss = loss_fn(ref(xm), ym)
     loss.backward()
     ref_losses.append(loss.item())
+if "scale_grads" in inspect.signature(get_schedule_class("gpipe")).parameters:  # the mean (pipelining-scale-grads)
+    for p in ref.parameters():
+        p.grad.div_(n_mb)
 
 part = copy.deepcopy(full[rank])
 example = x.chunk(n_mb)[0] if rank == 0 else torch.zeros(4, 8)
