@@ -16,7 +16,8 @@ sdpa-kernel-priority and the DTensor patches; TP on 2.4 and 2.9: clip_grad_norm_
 dtensor-inplace-placement-change; PP on 2.9: pipelining-gloo-warmup; FSDP+TP+SAC on 4 ranks: from the seed checkpoint on 2.9, without
 checkpointing on 2.4, ``TRAIN_FROM_SCRATCH``), and on torch 2.13, the oldest torch the newer releases
 train on (with the Triton that 2.13's CUDA builds bring), torchtitan 0.2.2's FSDP
-(fsdp2-gloo-divide-factor) and 0.3.0's pipeline parallel (pipelining-presplit-inputs, set-timeout).
+(fsdp2-gloo-divide-factor) and 0.3.0's FSDP, FSDP+TP+SAC (fsdp2-spmd-types) and pipeline parallel (pipelining-presplit-inputs,
+set-timeout).
 Which release is installed on which torch is the noxfile's ``TORCHTITAN``.
 """
 
@@ -48,7 +49,9 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     # PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
     ("0.1.0", "==2.9.*"): ("tp", "fsdp+tp+sac", "pp"),
     ("0.2.2", "==2.13.*"): ("fsdp",),  # the oldest torch 0.2.2 trains on (fsdp2-gloo-divide-factor)
-    ("0.3.0", "==2.13.*"): ("pp",),  # 0.3.0's FSDP needs 2.14's spmd_types support in FSDP2
+    # 0.3.0: FSDP of spmd_types-annotated parameters, alone and under TP (fsdp2-spmd-types); PP with
+    # pre-split microbatches (pipelining-presplit-inputs)
+    ("0.3.0", "==2.13.*"): ("fsdp", "fsdp+tp+sac", "pp"),
 }
 # release -> torch 2.15.0's native run on one process (TORCHPATCH unset; its fsdp, tp, pp and fsdp+tp+sac runs
 # equal it to 1e-5) from the seed checkpoint made on torch 2.9.0 with TORCHPATCH=1: the digest of the weights it
@@ -62,8 +65,8 @@ NEWEST_NATIVE: Dict[str, table.Run] = {
     "0.1.0": table.Run(
         [6.626339912414551, 6.335608005523682, 5.375094413757324, 4.6519775390625,
          3.7562148571014404, 3.681603193283081, 3.1478872299194336, 3.375253438949585],
-        [2.6095712184906006, 2.6063737869262695, 2.8613197803497314, 2.679431438446045,
-         2.750938653945923, 2.344993829727173, 2.594881296157837, 2.8601725101470947],
+        [2.609593246509583, 2.6063962330089683, 2.861338708397727, 2.6794495666387728,
+         2.7509528566829093, 2.345009943848604, 2.5949050046225524, 2.8601980480600417],
         "e0a099c1dc37f75b05f875333128809319aa8e647a20b3790d21e9bbd9d8b46a", ""),
 }
 # (release, torch specifier) -> the parallelisms CI trains there from torchtitan's own seeded
@@ -88,8 +91,8 @@ FROM_SCRATCH: Dict[Tuple[str, str], table.Run] = {
     ("0.1.0", "fsdp+tp+sac"): table.Run(
         [6.523015022277832, 6.104269981384277, 5.17910099029541, 4.78825044631958,
          4.252833843231201, 4.18123197555542, 3.631288766860962, 3.8927674293518066],
-        [2.5889804363250732, 2.5607945919036865, 2.7853200435638428, 2.713812828063965,
-         3.261183261871338, 2.911200523376465, 2.9843177795410156, 3.08670973777771],
+        [2.5889809267336332, 2.5607957039821287, 2.7853221088432707, 2.713814158957799,
+         3.2611847602581046, 2.911201471237523, 2.9843192611625096, 3.0867108614272007],
         "174558dca20986cbbff2a68652020583e19194ff705f34f867908276ab283431", ""),
 }
 # (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
