@@ -6,7 +6,7 @@ reference; a value that is not a ``bool`` is torch's own type error."""
 from conftest import clean_env, patch_applies_here, run_json, run_py, through_patch_range, where_patch_applies
 
 USE = """
-import json, torch
+import json, sys, torch
 from functools import partial
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -20,11 +20,12 @@ w = torch.randn(4, 3, generator=torch.Generator().manual_seed(1), requires_grad=
 ref_w = w.detach().double().requires_grad_()
 ref = f(x.double(), ref_w)
 ref.sum().backward()
-plain = compiled(x, w.detach())
-sac = checkpoint(compiled, x, w, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
-sac.sum().backward()
 close = lambda a, b: torch.allclose(a.double(), b, rtol=1e-5, atol=1e-6)
-out = {"plain": close(plain, ref), "sac": close(sac.detach(), ref.detach()), "grad": close(w.grad, ref_w.grad)}
+out = {"plain": close(compiled(x, w.detach()), ref.detach())}
+if sys.argv[1:] == ["sac"]:
+    sac = checkpoint(compiled, x, w, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, policy))
+    sac.sum().backward()
+    out.update(sac=close(sac.detach(), ref.detach()), grad=close(w.grad, ref_w.grad))
 try:
     torch.compile(f, options={"wrap_inductor_compiled_regions": 1})
 except RuntimeError as exc:
@@ -45,6 +46,13 @@ def test_native_failure():
 @through_patch_range("inductor-wrap-compiled-regions", since="2.4")
 def test_compiles_with_the_key():
     out = run_json(USE, env=clean_env(TORCHPATCH="1"), timeout=600)
-    assert out["plain"] and out["sac"] and out["grad"], out
+    assert out["plain"], out
     assert out["not_bool"] == "Unexpected type of attr wrap_inductor_compiled_regions, got int should be bool"
     assert out["status"] == ("applied" if patch_applies_here("inductor-wrap-compiled-regions") else None)
+
+
+@through_patch_range("inductor-wrap-compiled-regions", "torch 2.4's checkpoint cannot recompute a compiled "
+                     "function under selective checkpointing, with or without the key", since="2.9")
+def test_selective_checkpointing_with_the_key():
+    out = run_json(USE, env=clean_env(TORCHPATCH="1"), args=("sac",), timeout=600)
+    assert out["plain"] and out["sac"] and out["grad"], out

@@ -22,7 +22,7 @@ ctx = _PipelineContext(schedule, [(1,)], [{}], None, [])
 out = {"module": _PipelineContext.__module__,
        "fields": [f.name for f in dataclasses.fields(_PipelineContext)],
        "defaults": [getattr(_PipelineContext(schedule), f.name) for f in dataclasses.fields(_PipelineContext)[1:]],
-       "values": [ctx.schedule_ref is schedule, ctx.arg_mbs, ctx.kwarg_mbs, ctx.target_mbs, ctx.losses],
+       "values": [ctx.schedule_ref is schedule, ctx.arg_mbs, ctx.kwarg_mbs, ctx.target_mbs, list(ctx.losses)],
        "equal": ctx == _PipelineContext(schedule, arg_mbs=[(1,)], kwarg_mbs=[{}], losses=[])}
 ctx.losses.append(2)
 out["mutable"] = ctx.losses

@@ -14,7 +14,10 @@ Fix:           ``torch.compile`` accepts the key (a ``bool``, as torch checks: a
                2.9 never runs compiled code under a (non-infrastructure) dispatch mode: Dynamo steps
                aside and the function runs eagerly, each of its operators seen by the mode. So a
                selective-checkpointing policy sees the region's own operators instead of one
-               ``inductor_compiled_code``, and the values are those of the eager function. The key
+               ``inductor_compiled_code``, and the values are those of the eager function. (Torch 2.4's
+               checkpoint cannot recompute a compiled function under selective checkpointing, key or
+               no key: "Detected that you are using FX to symbolically trace a dynamo-optimized
+               function"; 2.9's can.) The key
                is not served as ``torch._inductor.config.wrap_inductor_compiled_regions``: setting
                it there stays an ``AttributeError``.
 Upstream:      https://github.com/pytorch/pytorch/pull/167844 (HOP for Inductor compiled regions)
