@@ -20,6 +20,8 @@ from typing import Any, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 
+from .pipelining_presplit_inputs import schedules_with_step
+
 PATCH = Patch(
     id="pipelining-return-outputs",
     summary="pipeline schedule step(..., return_outputs=False): the step without its merged outputs",
@@ -37,11 +39,9 @@ def _step(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, 
 
 @PATCH.on_import("torch.distributed.pipelining.schedules")
 def step_takes_return_outputs(patcher: Patcher, schedules: Any) -> bool:
-    base = schedules._PipelineSchedule
-    if "return_outputs" in inspect.signature(base.step).parameters:
+    if "return_outputs" in inspect.signature(schedules._PipelineSchedule.step).parameters:
         return False
-    owners = [cls for cls in vars(schedules).values()
-              if isinstance(cls, type) and issubclass(cls, base) and "step" in vars(cls) and cls is not base]
+    owners = schedules_with_step(schedules)
     for cls in owners:
         patcher.wrap(cls, "step", _step)
     return bool(owners)
