@@ -1,5 +1,5 @@
-"""inductor-wrap-compiled-regions: ``torch.compile(options={"wrap_inductor_compiled_regions": ...})``
-on torch before 2.10.
+"""inductor-wrap-compiled-regions: ``torch.compile(options={"wrap_inductor_compiled_regions": ...})``,
+torch 2.0-2.9.
 
 What breaks:   code written for torch >= 2.10 that asks Inductor to make its compiled regions visible
                to dispatch modes (selective activation checkpointing, DebugMode), as torchtitan 0.2.2
@@ -30,7 +30,7 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="inductor-wrap-compiled-regions",
-    summary="torch.compile accepts options={'wrap_inductor_compiled_regions': bool} (torch 2.10) before 2.10",
+    summary="torch.compile accepts options={'wrap_inductor_compiled_regions': bool} (torch 2.10's Inductor key)",
     torch=">=2.0,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/167844",
     behaviour="torch.compile accepts the Inductor option wrap_inductor_compiled_regions (same values)",
