@@ -20,7 +20,7 @@ import json, torch
 import torch.nn.attention.varlen
 op = torch.ops.torch_attn._varlen_attn
 args = lambda device: (torch.randn(6, 2, 8, device=device), torch.randn(6, 2, 8, device=device),
-                       torch.randn(6, 2, 4, device=device), torch.tensor([0, 2, 6], dtype=torch.int32, device=device),
+                       torch.randn(6, 2, 8, device=device), torch.tensor([0, 2, 6], dtype=torch.int32, device=device),
                        torch.tensor([0, 2, 6], dtype=torch.int32, device=device), 4, 4)
 out = {"schema": str(op.default._schema)}
 meta = op(*args("meta"), is_causal=True)
@@ -40,5 +40,5 @@ def test_operator_as_torch_2_15_defines_it():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     assert out["schema"].startswith("torch_attn::_varlen_attn(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, "
                                     "Tensor? cu_seq_k, SymInt max_q, SymInt max_k, bool is_causal=False"), out
-    assert out["meta"] == [[6, 2, 4], [2, 6], [2], "torch.uint64"]
+    assert out["meta"] == [[6, 2, 8], [2, 6], [2], "torch.uint64"]
     assert out["cpu"] == "NotImplementedError"

@@ -7,7 +7,8 @@ What breaks:   torchtitan 0.2.2 turns Dynamo's most-recently-used ordering of co
                no attribute '_set_lru_cache'``.
 Torch:         2.4-2.9; 2.10 added the switch (default True: a frame's cache moves the entry that
                hit to the front; False keeps insertion order, so the first valid graph runs).
-Fix:           serve it: it records the setting and returns the previous one, as torch's does, and
+Fix:           serve it: it records the setting and returns the previous one, as torch 2.15's does
+               (2.10-2.14's return None), and
                changes nothing else: these torches always keep the most recently used order. The
                order only decides which of several valid compiled graphs of one frame runs first,
                each computing the frame's function; the case torchtitan guards against (a SAC cache
