@@ -15,7 +15,7 @@ Fix:           serve the package with the helpers only, as 2.15 computes them: `
                (then a no-op context). Not served: ``LocalTensor``, ``LocalTensorMode`` and the rest of the
                simulator (3,300 lines of torch 2.15 for single-process testing; real training never uses
                it): importing them raises ``ImportError``, which spmd_types catches to run without.
-Upstream:      https://github.com/pytorch/pytorch/pull/159917 (LocalTensor, torch 2.10)
+Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/_local_tensor
 """
 
 from types import ModuleType
@@ -27,7 +27,7 @@ PATCH = Patch(
     summary="torch.distributed._local_tensor's helpers (_c10d._indices_to_layout, local_tensor_mode, "
     "maybe_disable_local_tensor_mode), without LocalTensor itself: for spmd_types",
     torch=">=2.4,<2.10",
-    upstream="https://github.com/pytorch/pytorch/pull/159917",
+    upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/_local_tensor",
 )
 
 PACKAGE = "torch.distributed._local_tensor"

@@ -17,7 +17,7 @@ Fix:           serve both modules with torch 2.15's semantics, written in ``devi
                absent, a ``None`` coordinate raises ``NotImplementedError``). These torch versions'
                ``DeviceMesh`` does not keep a ``_layout``: the modules are for code that computes with
                layouts itself (spmd_types' ``MeshAxis``).
-Upstream:      https://github.com/pytorch/pytorch/pull/161106 (``_MeshLayout`` and ``_pycute``, torch 2.10)
+Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/_mesh_layout.py
 """
 
 from types import ModuleType
@@ -29,7 +29,7 @@ PATCH = Patch(
     summary="torch.distributed._pycute and torch.distributed._mesh_layout (_FlatLayout, _MeshLayout): torch "
     "2.15's rank-layout algebra, for spmd_types",
     torch=">=2.4,<2.10",
-    upstream="https://github.com/pytorch/pytorch/pull/161106",
+    upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/_mesh_layout.py",
 )
 
 PYCUTE = "torch.distributed._pycute"

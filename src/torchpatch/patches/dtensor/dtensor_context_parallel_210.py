@@ -17,7 +17,7 @@ Fix:           serve the names so that modules importing them load; each raises 
                when called or constructed, saying that torch 2.10's context parallel is not served on this
                torch (its load balancers and sharding are not backported; context_parallel_degree=1
                training never calls them). Not served: the rest of torch 2.10's package.
-Upstream:      https://github.com/pytorch/pytorch/pull/162542 (the _context_parallel package, torch 2.10)
+Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/tensor/experimental/_context_parallel
 """
 
 from types import ModuleType
@@ -30,7 +30,7 @@ PATCH = Patch(
     summary="torch 2.10's context-parallel names imported at module level (_context_parallel_shard, "
     "load balancers, flex_cp_allgather) on torch 2.9: they load and raise NotImplementedError when used",
     torch=">=2.9,<2.10",
-    upstream="https://github.com/pytorch/pytorch/pull/162542",
+    upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/tensor/experimental/_context_parallel",
 )
 
 ATTENTION = "torch.distributed.tensor.experimental._attention"

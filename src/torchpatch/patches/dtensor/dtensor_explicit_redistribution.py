@@ -15,7 +15,7 @@ Fix:           serve the class with 2.15's constructor, errors and thread-local 
                whose spec differs from the one the sharding strategy asks for is observed first, as
                2.15's dispatch does. Not observed: the redistribution in ``DTensor.from_local``'s
                backward (2.15 observes it too; 2.9's is inside torch's autograd function).
-Upstream:      https://github.com/pytorch/pytorch/pull/163951 (ExplicitRedistributionContext, torch 2.10)
+Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/tensor/_utils.py
 """
 
 import logging
@@ -30,7 +30,7 @@ PATCH = Patch(
     summary="torch.distributed.tensor._utils.ExplicitRedistributionContext: DTensor's implicit redistributions "
     "raise or warn inside it (torch 2.10's)",
     torch=">=2.9,<2.10",
-    upstream="https://github.com/pytorch/pytorch/pull/163951",
+    upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/tensor/_utils.py",
 )
 
 logger = logging.getLogger(__name__)
