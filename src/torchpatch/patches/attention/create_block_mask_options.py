@@ -26,8 +26,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="create-block-mask-options",
-    summary="create_block_mask(separate_full_blocks=..., compute_dq_write_order=..., dq_kv_order=...) and "
-    "device=None on torch 2.9",
+    summary="create_block_mask(separate_full_blocks=..., compute_dq_write_order=..., dq_kv_order=...) and its "
+    "device=None default (torch 2.15's options)",
     torch=">=2.9,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/nn/attention/flex_attention.py",
     behaviour="create_block_mask(separate_full_blocks=...)",
