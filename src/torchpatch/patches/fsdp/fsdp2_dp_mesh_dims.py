@@ -9,11 +9,13 @@ Torch:         2.12 added the argument (FSDP2 over a full SPMD mesh: parameters 
                the full mesh, or, from 2.14, plain parameters annotated by spmd_types); 2.9-2.11's
                ``fully_shard`` takes the data-parallel mesh itself.
 Fix:           where every other dim of the full mesh has one rank and no parameter is a DTensor
-               (torchtitan's FSDP and FSDP+PP runs: plain parameters, ``tp``/``cp``/``ep`` of size
-               one), sharding over the full mesh is sharding over its data-parallel dims: this
-               torch's ``fully_shard`` runs on ``mesh[shard]`` (several shard dims flattened into
-               one; ``(replicate, shard)`` for HSDP), as torch 2.15 shards and reduces over those
-               dims. Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
+               (torchtitan's FSDP and FSDP+PP runs: plain parameters annotated by spmd_types, ``tp``/
+               ``cp``/``ep`` of size one), sharding over the full mesh is sharding over its
+               data-parallel dims: this torch's ``fully_shard`` runs on ``mesh[shard]`` (several
+               shard dims flattened into one; ``(replicate, shard)`` for HSDP), as torch 2.15 shards
+               and reduces over those dims. A plain parameter raises 2.15's ``ValueError`` unless it carries spmd_types
+               annotations with ``spmd.R`` on the data-parallel axes (2.14's translation demands
+               that). Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
                mesh) it raises ``NotImplementedError``: FSDP2's SPMD-mesh parameter path
                (``FSDPParam._init_sharding_spec_spmd``, ``_StridedShard`` over dims that share a
                tensor dim) is not served (not_backportable.json). Without ``dp_mesh_dims``,
@@ -60,7 +62,7 @@ def _unserved(why: str) -> NotImplementedError:
         "over the data-parallel dims only where every other mesh dim has one rank and parameters are plain tensors")
 
 
-def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any) -> Any:
+def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
     """The data-parallel mesh that sharding over ``dp_mesh_dims`` of the full ``mesh`` amounts to."""
     from torch.distributed.tensor import DTensor
 
@@ -83,17 +85,38 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any) -> Any:
     else:
         dp_mesh = mesh[shard] if len(shard) == 1 else mesh[shard]._flatten()
     modules = module if isinstance(module, (list, tuple)) else [module]
-    # a submodule's parameters that an earlier fully_shard sharded are DTensors on dp_mesh
-    if any(isinstance(p, DTensor) and p.device_mesh != dp_mesh for m in modules for p in m.parameters()):
-        raise _unserved("with DTensor parameters (on the full mesh or another one)")
+    for m in modules:
+        for name, param in m.named_parameters():
+            if isinstance(param, DTensor):  # a submodule's, sharded by an earlier fully_shard: on dp_mesh
+                if param.device_mesh != dp_mesh:
+                    raise _unserved("with DTensor parameters (on the full mesh or another one)")
+            elif param not in ignored:
+                _check_annotation(name.rsplit(".", 1)[-1], param)
     return dp_mesh
+
+
+def _check_annotation(name: str, param: Any) -> None:
+    """torch 2.15's demand on a plain parameter: spmd_types annotations, ``spmd.R`` on the data-parallel
+    axes (the only axes of several ranks here)."""
+    import importlib.util
+
+    spmd = importlib.import_module("spmd_types") if importlib.util.find_spec("spmd_types") else None
+    local_type = spmd.get_local_type(param) if spmd is not None else None
+    if not local_type:
+        raise ValueError("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
+                         f"(e.g. via distribute_module). Got plain tensor for parameter '{name}'.")
+    for axis, axis_type in local_type.items():
+        if axis_type is not spmd.R:
+            raise ValueError(
+                f"Expected spmd.R on FSDP DP axis {axis} for parameter '{name}' but got {axis_type}. FSDP "
+                "requires DP parameters to be R since it handles the DP gradient reduction.")
 
 
 def _with_dp_mesh_dims(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fully_shard)
     def wrapper(module: Any, *args: Any, dp_mesh_dims: Any = None, **kwargs: Any) -> Any:
         if dp_mesh_dims is not None:
-            kwargs["mesh"] = _dp_mesh(module, kwargs.get("mesh"), dp_mesh_dims)
+            kwargs["mesh"] = _dp_mesh(module, kwargs.get("mesh"), dp_mesh_dims, kwargs.get("ignored_params") or ())
         return fully_shard(module, *args, **kwargs)
 
     wrapper.__torchpatch_wraps__ = fully_shard  # type: ignore[attr-defined]
