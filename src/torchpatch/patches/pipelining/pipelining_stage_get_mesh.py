@@ -9,10 +9,11 @@ Torch:         2.4-2.11 (the inventories: ``torch.distributed.pipelining.stage``
                ``GetMeshCallback`` / ``_MeshCache`` before 2.12); 2.12 infers stage metadata at run
                time and rebuilds DTensor activations on the mesh ``get_mesh`` returns.
 Fix:           ``get_mesh`` is accepted as a keyword (torchtitan's way; 2.12's positional order
-               differs anyway) and kept on the stage as ``_get_mesh``. The callback only matters for DTensor activations, which
-               these torch versions' stages cannot send: a stage whose forward hands a DTensor to
-               the next stage raises a ``NotImplementedError`` that says so (with plain tensors,
-               what torchtitan's pipeline-only and FSDP+PP runs pass, the stage is this torch's own).
+               differs anyway) and kept on the stage as ``_get_mesh``. The callback only matters for
+               DTensor activations, which these torch versions' stages cannot send: a stage whose
+               outputs for the next stage are DTensors raises a ``NotImplementedError`` that says
+               so when its output metadata is fixed (shape inference, before the first send). With
+               plain tensors (torchtitan's pipeline-only and FSDP+PP runs) the stage is this torch's.
 Upstream:      torch 2.12 (``PipelineStage.__init__``'s ``get_mesh``, ``_MeshCache``);
                https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/stage.py
 """
@@ -42,18 +43,18 @@ def _init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, 
     return result
 
 
-def _forward_one_chunk(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    output = wrapped(*args, **kwargs)
+def _configure_outputs_meta(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """A stage's output metadata, fixed before its first send: DTensor activations raise here."""
     if not instance.is_last:
         from torch.distributed.tensor import DTensor
         from torch.utils._pytree import tree_leaves
 
-        if any(isinstance(leaf, DTensor) for leaf in tree_leaves(output)):
+        if any(isinstance(leaf, DTensor) for leaf in tree_leaves(list(args) + list(kwargs.values()))):
             raise NotImplementedError(
                 f"pipeline stage {instance.stage_index} outputs a DTensor: sending DTensor activations between "
                 "stages needs torch 2.12's DTensor-aware stage metadata (PipelineStage's get_mesh), which "
                 "torchpatch does not serve on this torch; hand plain tensors (DTensor.to_local()) between stages")
-    return output
+    return wrapped(*args, **kwargs)
 
 
 @PATCH.on_import("torch.distributed.pipelining.stage")
@@ -62,5 +63,5 @@ def _patch(patcher: Patcher, module: ModuleType) -> bool:
     if "get_mesh" in inspect.signature(stage.__init__).parameters:
         return False
     patcher.wrap(stage, "__init__", _init)
-    patcher.wrap(stage, "forward_one_chunk", _forward_one_chunk)
+    patcher.wrap(module._PipelineStageBase, "_configure_outputs_meta", _configure_outputs_meta)
     return True
