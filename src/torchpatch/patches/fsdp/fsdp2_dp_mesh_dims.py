@@ -14,8 +14,10 @@ Fix:           where every other dim of the full mesh has one rank and no parame
                data-parallel dims: this torch's ``fully_shard`` runs on ``mesh[shard]`` (several
                shard dims flattened into one; ``(replicate, shard)`` for HSDP), as torch 2.15 shards
                and reduces over those dims. A plain parameter raises 2.15's ``ValueError`` unless it carries spmd_types
-               annotations with ``spmd.R`` on the data-parallel axes (2.14's translation demands
-               that). Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
+               annotations that 2.14's translation accepts (fsdp2-spmd-types' resolution: complete
+               on the full mesh, ``spmd.R`` on the data-parallel axes). The sharded
+               parameters are DTensors on the data-parallel mesh, not on the full mesh (the other
+               dims have one rank: the same shards, one placement per data-parallel dim). Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
                mesh) it raises ``NotImplementedError``: FSDP2's SPMD-mesh parameter path
                (``FSDPParam._init_sharding_spec_spmd``, ``_StridedShard`` over dims that share a
                tensor dim) is not served (not_backportable.json). Without ``dp_mesh_dims``,
@@ -91,25 +93,26 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
                 if param.device_mesh != dp_mesh:
                     raise _unserved("with DTensor parameters (on the full mesh or another one)")
             elif param not in ignored:
-                _check_annotation(name.rsplit(".", 1)[-1], param)
+                _check_annotation(name.rsplit(".", 1)[-1], param, mesh, dp_mesh_dims)
     return dp_mesh
 
 
-def _check_annotation(name: str, param: Any) -> None:
-    """torch 2.15's demand on a plain parameter: spmd_types annotations, ``spmd.R`` on the data-parallel
-    axes (the only axes of several ranks here)."""
+def _check_annotation(name: str, param: Any, mesh: Any, dp_mesh_dims: Any) -> None:
+    """torch 2.15's demands on a plain parameter (its ``ValueError``s): spmd_types annotations that
+    complete on the full mesh, ``spmd.R`` on the data-parallel axes (fsdp2-spmd-types' resolution)."""
     import importlib.util
+    from types import SimpleNamespace
+
+    from .fsdp2_spmd_types import _storage_dtensor
 
     spmd = importlib.import_module("spmd_types") if importlib.util.find_spec("spmd_types") else None
     local_type = spmd.get_local_type(param) if spmd is not None else None
     if not local_type:
         raise ValueError("When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh "
                          f"(e.g. via distribute_module). Got plain tensor for parameter '{name}'.")
-    for axis, axis_type in local_type.items():
-        if axis_type is not spmd.R:
-            raise ValueError(
-                f"Expected spmd.R on FSDP DP axis {axis} for parameter '{name}' but got {axis_type}. FSDP "
-                "requires DP parameters to be R since it handles the DP gradient reduction.")
+    fsdp_param = SimpleNamespace(_module_info=SimpleNamespace(param_name=name),
+                                 mesh_info=SimpleNamespace(spmd_mesh=mesh, dp_mesh_dims=dp_mesh_dims))
+    _storage_dtensor(spmd, fsdp_param, param, local_type)
 
 
 def _with_dp_mesh_dims(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
