@@ -8,10 +8,9 @@ Torch:         2.12 added the dataclass (which dimensions of a full SPMD mesh FS
                over) with ``fully_shard``'s ``dp_mesh_dims`` argument; 2.9-2.11 have neither.
 Fix:           serve the class with 2.15's fields, validation (``ValueError`` when neither ``shard`` nor
                ``replicate`` is set) and ``shard_names``/``replicate_names``. Only the class:
-               ``fully_shard(dp_mesh_dims=...)`` stays torch 2.12's (not_backportable.json says why): on
-               these versions passing it raises torch's own ``TypeError`` (an unexpected keyword).
-               Code that builds the value only when it shards over a full SPMD mesh (torchtitan 0.3.0
-               without FSDP) runs.
+               ``fully_shard(dp_mesh_dims=...)`` is fsdp2-dp-mesh-dims' (where only the data-parallel
+               dims have several ranks; FSDP2 over a full mesh with TP dims stays torch 2.12's,
+               not_backportable.json says why).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fsdp_api.py
 """
 
@@ -22,8 +21,8 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="fsdp-data-parallel-mesh-dims",
-    summary="torch.distributed.fsdp.DataParallelMeshDims, the value class only (fully_shard's dp_mesh_dims "
-    "stays torch 2.12's)",
+    summary="torch.distributed.fsdp.DataParallelMeshDims, the value class (fully_shard's dp_mesh_dims: "
+    "fsdp2-dp-mesh-dims)",
     torch=">=2.9,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fsdp_api.py",
 )
