@@ -12,7 +12,8 @@ Torch:         2.15's ``create_block_mask`` takes ``separate_full_blocks`` (``Fa
                defaults to ``"cuda"``; its ``_convert_mask_to_block_mask`` already takes
                ``separate_full_blocks``. 2.5-2.8 are untested and left alone.
 Fix:           replace 2.9's module function (before importers bind it) with one taking 2.15's arguments:
-               ``separate_full_blocks=False`` builds the mask from 2.9's own pieces without full blocks;
+               ``separate_full_blocks=False`` builds the mask from 2.9's own pieces without full blocks
+               (eagerly, also where ``_compile=True`` asks for a compiled build: the same mask);
                ``dq_kv_order`` must be a bool (2.15's ``ValueError``); ``compute_dq_write_order=True``
                raises ``NotImplementedError`` (2.9's FLASH backend has no such metadata).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/nn/attention/flex_attention.py
@@ -48,7 +49,7 @@ def _with_options(flex: ModuleType, original: Callable[..., Any]) -> Callable[..
             raise ValueError("dq_kv_order must be a bool when using create_block_mask")
         if device is None:
             device = torch.accelerator.current_accelerator() or "cpu"
-        if separate_full_blocks or _compile:
+        if separate_full_blocks:
             return original(mask_mod, B, H, Q_LEN, KV_LEN, device, BLOCK_SIZE, _compile)
         q_block, kv_block = (BLOCK_SIZE, BLOCK_SIZE) if isinstance(BLOCK_SIZE, int) else BLOCK_SIZE
         mask = flex.create_mask(mask_mod, 1 if B is None else B, 1 if H is None else H, Q_LEN, KV_LEN, device)
