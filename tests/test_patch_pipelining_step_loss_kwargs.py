@@ -37,7 +37,8 @@ for form in ("whole", "presplit"):
         continue
     losses_equal = rank != W - 1 or (len(losses) == 4 and all(
         torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(losses, ref_losses)))
-    grads_equal = all(torch.allclose(p.grad, 3.0 * q.grad, rtol=1e-10, atol=1e-14)
+    mean = getattr(schedule, "scale_grads", False)  # torch 2.4-2.6's schedules sum the microbatches' gradients
+    grads_equal = all(torch.allclose(p.grad, (3.0 if mean else 12.0) * q.grad, rtol=1e-10, atol=1e-14)
                       for m, r in zip(mine, ref[2 * rank: 2 * rank + 2]) for p, q in zip(m.parameters(), r.parameters()))
     out[form] = "reference" if losses_equal and grads_equal else "differs"
 """
@@ -58,12 +59,12 @@ except TypeError as exc:
 
 @where_patch_applies("pipelining-step-loss-kwargs", "step has no loss_kwargs")
 def test_native_step_hands_loss_kwargs_to_the_model(tmp_path):
-    for out in ranks_result(ONE_STAGE, nproc=1, tmp_path=tmp_path, env=clean_env(), timeout=180):
+    for out in ranks_result(ONE_STAGE, nproc=1, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1", TORCHPATCH_PIPELINING_STEP_LOSS_KWARGS="0"), timeout=180):
         assert out["status"] is None
         assert out["whole"] == "TypeError", out
 
 
-@through_patch_range("pipelining-step-loss-kwargs", "pipeline schedules on gloo", since="2.9")
+@through_patch_range("pipelining-step-loss-kwargs", "pipeline schedules on gloo")
 def test_loss_kwargs_reach_the_loss(tmp_path):
     for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180):
         assert out["status"] == ("applied" if patch_applies_here("pipelining-step-loss-kwargs") else None), out
