@@ -44,10 +44,12 @@ try:
         create_block_mask(causal, 1, 1, 256, 256, device="cpu", dq_kv_order="yes")
     except ValueError as exc:
         out["dq_kv_order"] = str(exc)
-    try:  # the current accelerator, else the CPU (a CUDA build without a GPU: CUDA's error)
-        out["default_device"] = str(create_block_mask(causal, 1, 1, 256, 256, separate_full_blocks=False).kv_indices.device)
+    expected = torch.device(torch.accelerator.current_accelerator() or "cpu")
+    try:  # a CUDA build without a GPU names CUDA and cannot use it
+        device = create_block_mask(causal, 1, 1, 256, 256, separate_full_blocks=False).kv_indices.device
+        out["default_device"] = "the current accelerator, else the CPU" if device.type == expected.type else str(device)
     except RuntimeError as exc:
-        out["default_device"] = type(exc).__name__
+        out["default_device"] = "the current accelerator, else the CPU" if expected.type != "cpu" else str(exc)
 except TypeError as exc:
     out = {"error": "TypeError" if "separate_full_blocks" in str(exc) else str(exc)}
 print(json.dumps(out))

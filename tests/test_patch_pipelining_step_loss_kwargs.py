@@ -4,7 +4,8 @@ On 2 ranks (gloo), float64, a GPipe pipeline of two stages steps once with a los
 keyword (``scale``), given as ``loss_kwargs={"scale": 3.0}``, with whole-batch inputs and with inputs
 split into microbatches beforehand (``arg_mbs``/``target_mbs``, torchtitan 0.3's call): the last
 stage's microbatch losses must be ``loss_fn(output, target, scale=3.0)`` of the same blocks on one
-process (``pipeline_scripts``), and every stage's gradients 3 times the one-process mean loss's. Torch
+process (``pipeline_scripts``), and every stage's gradients 3 times the one-process mean loss's (torch
+2.4-2.6's schedules sum the microbatches' gradients where 2.7+ average them: 12 times there). Torch
 2.13+ takes ``loss_kwargs`` natively (the newest torch validates the expectation); 2.4-2.9 natively hand
 it to the model (``TypeError``, shown with one stage on one rank).
 """
