@@ -9,13 +9,9 @@ torch 2.15 natively (run in its venv by the same test); natively 2.9 has no ``_u
 2.15's result shares its root mesh with the original (2.9's is a root mesh of its own).
 """
 
-import subprocess
-
-import pytest
-
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, NEWEST_TORCH_PYTHON, RESULT, clean_env, launch, patch_applies_here, rank_result,
-    ranks_result, through_patch_range, where_patch_applies
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, newest_torch_ranks_result, patch_applies_here, ranks_result,
+    through_patch_range, where_patch_applies
 )
 
 RANKS = """
@@ -71,14 +67,8 @@ def test_native_has_no_unflatten(tmp_path):
 
 @through_patch_range("device-mesh-unflatten", "DeviceMesh._unflatten")
 def test_unflatten_as_the_newest_torch(tmp_path):
-    if not NEWEST_TORCH_PYTHON.exists():
-        pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
     here = run(tmp_path, TORCHPATCH="1")
-    script = tmp_path / "newest.py"
-    script.write_text(RANKS)
-    ranks = launch(str(script), 4, env=clean_env(), timeout=240, python=str(NEWEST_TORCH_PYTHON))
-    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
-    newest = rank_result(subprocess.CompletedProcess([], 0, "".join(r.stdout or "" for r in ranks), ""))
+    newest = newest_torch_ranks_result(RANKS, nproc=4, tmp_path=tmp_path)
     for mine, theirs in zip(here, newest):
         assert mine.pop("status") == ("applied" if patch_applies_here("device-mesh-unflatten") else None)
         theirs.pop("status")

@@ -9,14 +9,10 @@ what torch 2.15 gives natively (run in its venv by the same test). Torch 2.9 nat
 (``ImportError``, which stops the spmd_types package).
 """
 
-import subprocess
-
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, NEWEST_TORCH_PYTHON, RESULT, clean_env, launch, patch_applies_here, rank_result,
-    ranks_result, through_patch_range, where_patch_applies
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, newest_torch_ranks_result, patch_applies_here, ranks_result,
+    through_patch_range, where_patch_applies
 )
-
-import pytest
 
 RANKS = """
 import datetime, json, logging, torch, torch.distributed as dist
@@ -76,14 +72,8 @@ def test_native_lacks_the_context(tmp_path):
 
 @through_patch_range("dtensor-explicit-redistribution", "implicit redistributions observed")
 def test_context_as_the_newest_torch(tmp_path):
-    if not NEWEST_TORCH_PYTHON.exists():
-        pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
     here = ranks_result(RANKS, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180)
-    script = tmp_path / "newest.py"
-    script.write_text(RANKS)
-    ranks = launch(str(script), 2, env=clean_env(), timeout=180, python=str(NEWEST_TORCH_PYTHON))
-    assert all(r.returncode == 0 for r in ranks), [r.stderr[-2000:] for r in ranks]
-    newest = rank_result(subprocess.CompletedProcess([], 0, "".join(r.stdout or "" for r in ranks), ""))
+    newest = newest_torch_ranks_result(RANKS, nproc=2, tmp_path=tmp_path)
     for mine, theirs in zip(here, newest):
         assert mine.pop("status") == ("applied" if patch_applies_here("dtensor-explicit-redistribution") else None)
         theirs.pop("status")

@@ -1,9 +1,10 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(mesh=full_mesh, dp_mesh_dims=...)`` where only the data-parallel
 dims have several ranks.
 
-On 2 real ranks (gloo), float64, a small MLP (one weight with 5 rows: uneven over 2 ranks) on a mesh
-``(dp_shard=2,)`` (torchtitan 0.3's storage mesh for FSDP: its dims of several ranks), its parameters annotated as torchtitan 0.3 annotates them
-(``spmd.assert_type(param, {"dp_shard": spmd.R})``), sharded per block and on the root with
+On 2 real ranks (gloo), float64, fsdp2-spmd-types' rank script: a small MLP (one weight with 5 rows:
+uneven over 2 ranks) on the mesh ``(dp_shard=2,)`` (torchtitan 0.3's storage mesh for FSDP: its dims of
+several ranks), its parameters annotated as torchtitan 0.3 annotates them (``spmd.assert_type(param,
+{"dp_shard": spmd.R})``), sharded per block and on the root with
 ``dp_mesh_dims=DataParallelMeshDims(shard="dp_shard")``, trains 4 SGD steps, each rank on its half of
 the batch; losses and full parameters are compared with the same model trained on one process on the
 full batch in the same run. Unannotated plain parameters and a parameter annotated ``S(0)`` on the FSDP
@@ -21,94 +22,24 @@ from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
     where_patch_applies
 )
+from test_patch_fsdp2_spmd_types import RANKS as SPMD_TYPES_RANKS
 
 needs_spmd_types = pytest.mark.skipif(
     importlib.util.find_spec("spmd_types") is None,
     reason="the spmd_types package is not installed here (torchtitan 0.3.0's dependency)")
 
-RANKS = """
-import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-import spmd_types as spmd
-from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,), mesh_dim_names=("dp_shard",))
-dims = DataParallelMeshDims(shard="dp_shard")
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-x, y = torch.randn(W, 6, 4, dtype=torch.float64), torch.randn(W, 6, 3, dtype=torch.float64)
-
-ref = copy.deepcopy(model)  # the reference: one process, the full batch
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-ref_losses = []
-for _ in range(4):
-    ref_opt.zero_grad()
-    loss = nn.functional.mse_loss(ref(x.flatten(0, 1)), y.flatten(0, 1))
-    loss.backward()
-    ref_opt.step()
-    ref_losses.append(loss.item())
-
-def annotate(m, dp_type):
-    with spmd.set_current_mesh(mesh):
-        for p in m.parameters():
-            spmd.assert_type(p, {"dp_shard": dp_type})
-
-def shard(m):
-    for block in (m[0], m[2]):
-        fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
-    fully_shard(m, mesh=mesh, dp_mesh_dims=dims)
-
-def outcome(exc):
-    text = str(exc)
-    if "all parameters must be DTensors on the full SPMD mesh" in text:
-        return "plain-tensor error"
-    if text.startswith("Expected spmd.R on FSDP DP axis") and "'weight'" in text:
-        return "dp-axis error"
-    return text
-
-out = {}
-m = copy.deepcopy(model)
-annotate(m, spmd.R)
-try:
-    shard(m)
-    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    losses = []
-    for _ in range(4):
-        opt.zero_grad()
-        loss = nn.functional.mse_loss(m(x[rank]), y[rank])
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / W)
-    full = {k: v.full_tensor() for k, v in m.state_dict().items()}
-    # float64, the mean of the ranks' gradients against the full batch's: equal up to a few additions'
-    # rounding (~1e-16); a gradient not reduced across ranks, or summed, is off by ~1e-2
-    out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    out["param_diff"] = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
-except ValueError as exc:
-    out["train"] = outcome(exc)
-m = copy.deepcopy(model)
+# fsdp2-spmd-types' rank script (the same model, annotations, reference and errors), plus unannotated
+# parameters, reporting this patch's status
+RANKS = SPMD_TYPES_RANKS.replace('''m = copy.deepcopy(model)
+annotate(m, spmd.S(0))''', '''m = copy.deepcopy(model)
 try:
     shard(m)  # not annotated
     out["not_annotated"] = "no error"
 except ValueError as exc:
     out["not_annotated"] = outcome(exc)
 m = copy.deepcopy(model)
-annotate(m, spmd.S(0))
-try:
-    shard(m)
-    out["sharded_on_dp"] = "no error"
-except ValueError as exc:
-    out["sharded_on_dp"] = outcome(exc)
-import torchpatch
-out["status"] = torchpatch.status().get("fsdp2-dp-mesh-dims")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+annotate(m, spmd.S(0))''').replace('get("fsdp2-spmd-types")', 'get("fsdp2-dp-mesh-dims")')
+assert "not_annotated" in RANKS and "fsdp2-dp-mesh-dims" in RANKS
 
 
 ONE_CALL = """
@@ -150,6 +81,7 @@ def test_native_fully_shard_has_no_dp_mesh_dims(tmp_path):
 def test_annotated_parameters_train_to_the_reference(tmp_path):
     for out in run(tmp_path, TORCHPATCH="1"):
         assert out.pop("status") == ("applied" if patch_applies_here("fsdp2-dp-mesh-dims") else None)
+        assert out.pop("storage") == ["DTensor(Shard(dim=0),)"], out
         assert out.pop("not_annotated") == "plain-tensor error", out
         assert out.pop("sharded_on_dp") == "dp-axis error", out
         assert "train" not in out and out.pop("loss_diff") < 1e-12 and out.pop("param_diff") < 1e-12, out
