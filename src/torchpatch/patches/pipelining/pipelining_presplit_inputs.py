@@ -20,7 +20,7 @@ Upstream:      torch 2.14 (``PipelineScheduleSingle.step`` / ``PipelineScheduleM
 """
 
 import inspect
-from typing import Any, Callable, Dict, Set, Tuple
+from typing import Any, Callable, Dict, List, Set, Tuple
 
 from torchpatch import Patch, Patcher
 
@@ -85,13 +85,18 @@ def _stepper(own: Set[str]) -> Callable[..., Any]:
     return step
 
 
+def schedules_with_step(schedules: Any) -> List[type]:
+    """The schedule classes of ``torch.distributed.pipelining.schedules`` that define ``step``."""
+    base = schedules._PipelineSchedule
+    return [cls for cls in vars(schedules).values()
+            if isinstance(cls, type) and issubclass(cls, base) and "step" in vars(cls) and cls is not base]
+
+
 @PATCH.on_import("torch.distributed.pipelining.schedules")
 def accept_presplit_inputs(patcher: Patcher, schedules: Any) -> bool:
-    base = schedules._PipelineSchedule
-    if "arg_mbs" in inspect.signature(base.step).parameters:
+    if "arg_mbs" in inspect.signature(schedules._PipelineSchedule.step).parameters:
         return False
-    owners = [cls for cls in vars(schedules).values()
-              if isinstance(cls, type) and issubclass(cls, base) and "step" in vars(cls) and cls is not base]
+    owners = schedules_with_step(schedules)
     for cls in owners:
         patcher.wrap(cls, "step", _stepper(set(inspect.signature(vars(cls)["step"]).parameters)))
     return bool(owners)

@@ -23,6 +23,8 @@ from typing import Any, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 
+from .pipelining_presplit_inputs import schedules_with_step
+
 PATCH = Patch(
     id="pipelining-step-loss-kwargs",
     summary="pipeline schedule step(..., loss_kwargs={...}): keyword arguments for the loss function",
@@ -59,9 +61,7 @@ def _patch(patcher: Patcher, schedules: ModuleType) -> bool:
     if "loss_kwargs" in inspect.signature(base.step).parameters:
         return False
     # armed after pipelining-presplit-inputs (catalogue order), so this wrapper is outside its check
-    owners = [cls for cls in vars(schedules).values()
-              if isinstance(cls, type) and issubclass(cls, base) and "step" in vars(cls)]
-    for cls in owners:
+    for cls in schedules_with_step(schedules):
         patcher.wrap(cls, "step", _step)
     patcher.wrap(base, "_compute_loss", _compute_loss)
     return True
