@@ -356,6 +356,18 @@ def ranks_result(script: str, *, tmp_path: Path, env: Optional[Dict[str, str]] =
     return rank_result(proc)
 
 
+def newest_torch_ranks_result(script: str, *, nproc: int, tmp_path: Path, timeout: float = 240) -> Any:
+    """Run ``script`` as ``nproc`` ranks natively on torch 2.15's matrix venv (what the newest torch
+    gives); the document rank 0 printed after ``RESULT``. Skip where that venv does not exist."""
+    if not NEWEST_TORCH_PYTHON.exists():
+        pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
+    path = tmp_path / "newest_torch_script.py"
+    path.write_text(textwrap.dedent(script))
+    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON))
+    assert all(r.returncode == 0 for r in ranks), [(r.stderr or "")[-2000:] for r in ranks]
+    return rank_result(subprocess.CompletedProcess([str(path)], 0, "".join(r.stdout or "" for r in ranks), ""))
+
+
 def rank_result(proc: subprocess.CompletedProcess) -> dict:
     """The JSON document a rank script printed after ``RESULT`` (rank 0 prints it)."""
     for line in proc.stdout.splitlines():

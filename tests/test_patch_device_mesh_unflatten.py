@@ -1,0 +1,75 @@
+"""device-mesh-unflatten: ``DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names)``.
+
+On 4 ranks (gloo), a 1-D world mesh named ``world`` is unflattened into ``(dp_shard=2, tp=2)`` as
+torchtitan 0.3 builds its meshes, and a 2-D ``(pp=2, rest=2)`` mesh's ``rest`` into ``(dp=1, tp=2)``; each
+rank reports the result's dim names, shape, rank grid, its coordinate, each dim's group ranks and an
+all-reduce of its rank over each dim, and the errors of a wrong product, an unknown dim name and
+mismatched names. With TORCHPATCH=1 on torch 2.9 everything must equal what the same ranks report on
+torch 2.15 natively (run in its venv by the same test); natively 2.9 has no ``_unflatten``. Not compared:
+2.15's result shares its root mesh with the original (2.9's is a root mesh of its own).
+"""
+
+from conftest import (
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, newest_torch_ranks_result, patch_applies_here, ranks_result,
+    through_patch_range, where_patch_applies
+)
+
+RANKS = """
+import datetime, json, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+
+def describe(mesh):
+    out = {"names": list(mesh.mesh_dim_names), "shape": list(mesh.shape), "grid": mesh.mesh.tolist(),
+           "coordinate": mesh.get_coordinate(), "groups": {}, "sums": {}}
+    for name in mesh.mesh_dim_names:
+        out["groups"][name] = dist.get_process_group_ranks(mesh.get_group(name))
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=mesh.get_group(name))
+        out["sums"][name] = t.item()
+    return out
+
+def error(call):
+    try:
+        call()
+        return "no error"
+    except (ValueError, RuntimeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+if not hasattr(world, "_unflatten"):
+    out = {"unflatten": "missing"}
+else:
+    two = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "rest"))
+    out = {"world": describe(world._unflatten(0, (2, 2), ("dp_shard", "tp"))),
+           "rest": describe(two._unflatten("rest", (1, 2), ("dp", "tp"))),
+           "product": error(lambda: world._unflatten(0, (3, 2), ("a", "b"))),
+           "name": error(lambda: world._unflatten("nope", (2, 2), ("a", "b"))),
+           "names": error(lambda: world._unflatten(0, (2, 2), ("a",)))}
+import torchpatch
+out["status"] = torchpatch.status().get("device-mesh-unflatten")
+gathered = [None] * dist.get_world_size()
+dist.all_gather_object(gathered, out)
+if rank == 0:
+    print(RESULT + json.dumps(gathered), flush=True)
+""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+
+
+def run(tmp_path, **env) -> list:
+    return ranks_result(RANKS, nproc=4, tmp_path=tmp_path, env=clean_env(**env), timeout=240)
+
+
+@where_patch_applies("device-mesh-unflatten", "DeviceMesh has no _unflatten")
+def test_native_has_no_unflatten(tmp_path):
+    assert run(tmp_path) == [{"unflatten": "missing", "status": None}] * 4
+
+
+@through_patch_range("device-mesh-unflatten", "DeviceMesh._unflatten")
+def test_unflatten_as_the_newest_torch(tmp_path):
+    here = run(tmp_path, TORCHPATCH="1")
+    newest = newest_torch_ranks_result(RANKS, nproc=4, tmp_path=tmp_path)
+    for mine, theirs in zip(here, newest):
+        assert mine.pop("status") == ("applied" if patch_applies_here("device-mesh-unflatten") else None)
+        theirs.pop("status")
+        assert mine == theirs
