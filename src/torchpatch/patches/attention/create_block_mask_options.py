@@ -57,7 +57,8 @@ def _with_options(flex: ModuleType, original: Callable[..., Any]) -> Callable[..
                                                   separate_full_blocks=False)
         return flex._create_sparse_block_from_block_mask(blocks, mask_mod, (Q_LEN, KV_LEN), q_block, kv_block)
 
-    create_block_mask.__doc__ = original.__doc__
+    # torch's name and module, as a wrapper has (not __wrapped__: the signature is 2.15's, not the original's)
+    create_block_mask.__doc__, create_block_mask.__module__ = original.__doc__, original.__module__
     return create_block_mask
 
 

@@ -52,14 +52,27 @@ def _varlen_attn(query: Any, key: Any, value: Any, cu_seq_q: Any, cu_seq_k: Opti
     return out, lse, torch.zeros((2,), dtype=torch.uint64, device=query.device)
 
 
+def _defined() -> bool:
+    """Whether some library already defines the operator (asked without making ``torch.ops.torch_attn``)."""
+    import torch
+
+    try:
+        torch._C._get_schema("torch_attn::_varlen_attn", "")
+    except RuntimeError:
+        return False
+    return True
+
+
 @PATCH.on_import("torch.nn.attention.varlen")
 def define_operator(patcher: Patcher, varlen: ModuleType) -> bool:
     import torch
 
-    if hasattr(torch.ops.torch_attn, "_varlen_attn"):
+    if _defined():
         return False
     library = torch.library.Library("torch_attn", "FRAGMENT")  # owns the definition while the patch is on
     library.define(SCHEMA)
     library.impl("_varlen_attn", _varlen_attn, "CompositeExplicitAutograd")
     patcher.on_undo(library._destroy)
+    # torch.ops makes (and keeps) its namespace at the first lookup of torch.ops.torch_attn
+    patcher.on_undo(lambda: vars(torch.ops).pop("torch_attn", None))
     return True
