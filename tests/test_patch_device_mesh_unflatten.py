@@ -4,9 +4,13 @@ On 4 ranks (gloo), a 1-D world mesh named ``world`` is unflattened into ``(dp_sh
 torchtitan 0.3 builds its meshes, and a 2-D ``(pp=2, rest=2)`` mesh's ``rest`` into ``(dp=1, tp=2)``; each
 rank reports the result's dim names, shape, rank grid, its coordinate, each dim's group ranks and an
 all-reduce of its rank over each dim, and the errors of a wrong product, an unknown dim name and
-mismatched names. With TORCHPATCH=1 on torch 2.9 everything must equal what the same ranks report on
-torch 2.15 natively (run in its venv by the same test); natively 2.9 has no ``_unflatten``. Not compared:
-2.15's result shares its root mesh with the original (2.9's is a root mesh of its own).
+mismatched names. Then the world mesh is unflattened twice as torchtitan builds its meshes,
+``(batch=2, tp=2)`` and ``(fsdp=2, tp=2)``: each rank reports whether ``data["tp"]``, ``dense["fsdp"]`` and
+the flattened ``data["batch", "tp"]`` share the world mesh as root, those meshes' groups, and whether
+FSDP over ``dense["fsdp"]`` of a model tensor-parallel over ``data["tp"]`` (FSDP's same-parent check)
+gives the gradients of the same model on one process. With TORCHPATCH=1 on torch 2.9 everything must
+equal what the same ranks report on torch 2.15 natively (run in its venv by the same test); natively 2.9
+has no ``_unflatten``.
 """
 
 from conftest import (
@@ -37,6 +41,30 @@ def error(call):
     except (ValueError, RuntimeError) as exc:
         return f"{type(exc).__name__}: {exc}"
 
+def root(mesh):
+    if hasattr(mesh, "_get_root_mesh"):
+        return mesh._get_root_mesh()
+    from torch.distributed.device_mesh import _mesh_resources
+    return _mesh_resources.get_root_mesh(mesh)
+
+def fsdp_tp(dp_mesh, tp_mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8)).double()
+    model.load_state_dict(reference.state_dict())
+    inputs = torch.randn(4, 8, dtype=torch.float64)
+    reference(inputs).pow(2).sum().backward()
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    try:
+        fully_shard(model, mesh=dp_mesh)
+        model(inputs).pow(2).sum().backward()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return all(torch.allclose(p.grad.full_tensor(), q.grad, rtol=1e-12, atol=0)
+               for p, q in zip(model.parameters(), reference.parameters()))
+
 world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
 if not hasattr(world, "_unflatten"):
     out = {"unflatten": "missing"}
@@ -47,6 +75,13 @@ else:
            "product": error(lambda: world._unflatten(0, (3, 2), ("a", "b"))),
            "name": error(lambda: world._unflatten("nope", (2, 2), ("a", "b"))),
            "names": error(lambda: world._unflatten(0, (2, 2), ("a",)))}
+    data = world._unflatten(0, (2, 2), ("batch", "tp"))
+    dense = world._unflatten(0, (2, 2), ("fsdp", "tp"))
+    batch_tp = data["batch", "tp"]._flatten("batch_tp")
+    meshes = {"tp": data["tp"], "fsdp": dense["fsdp"], "batch_tp": batch_tp}
+    out["roots"] = {name: root(mesh) == world for name, mesh in meshes.items()}
+    out["shared"] = {name: describe(mesh) for name, mesh in meshes.items()}
+    out["fsdp_tp"] = fsdp_tp(dense["fsdp"], data["tp"])
 import torchpatch
 out["status"] = torchpatch.status().get("device-mesh-unflatten")
 gathered = [None] * dist.get_world_size()
@@ -73,3 +108,5 @@ def test_unflatten_as_the_newest_torch(tmp_path):
         assert mine.pop("status") == ("applied" if patch_applies_here("device-mesh-unflatten") else None)
         theirs.pop("status")
         assert mine == theirs
+    assert here[0]["roots"] == {"tp": True, "fsdp": True, "batch_tp": True}
+    assert all(rank["fsdp_tp"] is True for rank in here), [rank["fsdp_tp"] for rank in here]

@@ -14,15 +14,22 @@ Torch:         2.10 rebuilt DeviceMesh on rank layouts (``_layout``) and added `
 Fix:           on 2.9, the same checks and errors as 2.15, then a new 2.9 DeviceMesh over ``self.mesh``
                with ``dim`` unflattened, the names spliced in and the backend overrides on the new
                dimensions (``"fake"`` registers torch's fake backend first, as 2.15 has it built in).
-               Unlike 2.15 it is a root mesh of its own: its other dimensions get new process groups too
-               (same ranks, so the same results), and a submesh of it is flattened in it, not in the
-               mesh it was unflattened from.
+               Its other dimensions get new process groups too (same ranks, so the same results). As in
+               2.15, its submeshes and flattened dimensions have the root of the mesh it was unflattened
+               from (2.9's ``_mesh_resources.get_root_mesh``), so FSDP's check that the DP and TP meshes
+               share a parent passes when they come from two unflattenings of one world mesh; 2.9 slices
+               and flattens within one tensor of ranks, so that root (and each unflattened mesh) slices a
+               name it lacks from the first mesh unflattened from it that has all the names (FSDP's
+               ``root[dp_names + tp_names]``, 2.15's concatenation), and a submesh is flattened in the
+               unflattened mesh that has its names, the flattened name then also recorded on the root.
+               The unflattened mesh itself stays a root of its own in 2.9's records (slicing it does
+               not warn of slicing a submesh).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/device_mesh.py
 """
 
 import math
 from types import ModuleType
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from torchpatch import Patch, Patcher
 
@@ -34,6 +41,8 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/device_mesh.py",
 )
 PATCH.sets("torch.distributed.device_mesh.DeviceMesh", ("_unflatten",))
+
+_UNFLATTENED: Dict[Any, List[Any]] = {}  # root mesh -> the meshes unflattened from it or its submeshes
 
 
 def _register_fake_backend() -> None:
@@ -70,8 +79,74 @@ def _unflatten(self: Any, dim: Union[int, str], mesh_sizes: Tuple[int, ...], mes
     all_overrides = ((None, None),) * dim + overrides + ((None, None),) * (self.ndim - dim - 1)
     dim_names = list(names) if names else [f"dim_{i}" for i in range(self.ndim)]
     dim_names[dim:dim + 1] = list(mesh_dim_names)
-    return device_mesh.DeviceMesh(self.device_type, self.mesh.unflatten(dim, tuple(mesh_sizes)),
-                                  mesh_dim_names=tuple(dim_names), backend_override=all_overrides)
+    root = _shared_root(self)
+    unflattened = device_mesh.DeviceMesh(self.device_type, self.mesh.unflatten(dim, tuple(mesh_sizes)),
+                                         mesh_dim_names=tuple(dim_names), backend_override=all_overrides)
+    _UNFLATTENED.setdefault(root, []).append(unflattened)
+    return unflattened
+
+
+def _shared_root(mesh: Any) -> Any:
+    """2.15's root of ``mesh``: for an unflattened mesh, the root of the mesh it was unflattened from."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _mesh_resources.get_root_mesh(mesh)
+    return next((origin for origin, meshes in _UNFLATTENED.items() if any(root is m for m in meshes)), root)
+
+
+def _has_names(mesh: Any, names: Tuple[str, ...]) -> bool:
+    from torch.distributed.device_mesh import _mesh_resources
+
+    known = set(mesh.mesh_dim_names or ()) | set(_mesh_resources.flatten_name_to_root_dims.get(mesh, {}))
+    return set(names) <= known
+
+
+def _unflattened_with(root: Any, names: Tuple[str, ...]) -> Any:
+    """The first mesh unflattened from ``root`` that has all ``names``, else None."""
+    return next((mesh for mesh in _UNFLATTENED.get(root, ()) if _has_names(mesh, names)), None)
+
+
+def _getitem(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """Slicing that records 2.15's root; the root or an unflattened mesh slices names it lacks from the
+    first mesh unflattened from the root that has them all."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _shared_root(instance)
+    if root not in _UNFLATTENED:
+        return wrapped(*args, **kwargs)
+    names = args[0] if args else kwargs["mesh_dim_names"]
+    names = (names,) if isinstance(names, str) else tuple(names)
+    source = instance
+    if not _has_names(instance, names) and (instance is root or any(instance is m for m in _UNFLATTENED[root])):
+        source = _unflattened_with(root, names) or instance
+    submesh = wrapped.__func__(source, names)
+    if submesh is not source:
+        _mesh_resources.child_to_root_mapping[submesh] = root
+    return submesh
+
+
+def _flatten(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """Flattening an unflattened mesh or its submesh: done in that unflattened mesh (2.9 flattens within
+    the root's tensor of ranks), recorded on the shared root too."""
+    from torch.distributed.device_mesh import _mesh_resources
+
+    root = _shared_root(instance)
+    unflattened = _UNFLATTENED.get(root, [])
+    if any(instance is mesh for mesh in unflattened):
+        flattened = wrapped(*args, **kwargs)
+    else:
+        source = _unflattened_with(root, tuple(instance.mesh_dim_names or ()))
+        if instance is root or source is None:
+            return wrapped(*args, **kwargs)
+        roots = _mesh_resources.child_to_root_mapping
+        roots[instance] = source
+        try:
+            flattened = wrapped(*args, **kwargs)
+        finally:
+            roots[instance] = root
+    _mesh_resources.child_to_root_mapping[flattened] = root
+    _mesh_resources.root_to_flatten_mapping.setdefault(root, {})[flattened.mesh_dim_names[0]] = flattened
+    return flattened
 
 
 @PATCH.on_import("torch.distributed.device_mesh")
@@ -80,4 +155,6 @@ def add_unflatten(patcher: Patcher, device_mesh: ModuleType) -> Optional[bool]:
     if mesh_class is None or hasattr(mesh_class, "_unflatten"):
         return False
     patcher.setattr(mesh_class, "_unflatten", _unflatten)
+    patcher.wrap(mesh_class, "__getitem__", _getitem)
+    patcher.wrap(mesh_class, "_flatten", _flatten)
     return True
