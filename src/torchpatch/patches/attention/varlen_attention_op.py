@@ -69,10 +69,11 @@ def define_operator(patcher: Patcher, varlen: ModuleType) -> bool:
 
     if _defined():
         return False
+    # undone last to first: torch.ops makes (and keeps) its namespace at the first lookup of
+    # torch.ops.torch_attn (the library's _destroy looks it up too), so it goes after the library
+    patcher.on_undo(lambda: vars(torch.ops).pop("torch_attn", None))
     library = torch.library.Library("torch_attn", "FRAGMENT")  # owns the definition while the patch is on
     library.define(SCHEMA)
     library.impl("_varlen_attn", _varlen_attn, "CompositeExplicitAutograd")
     patcher.on_undo(library._destroy)
-    # torch.ops makes (and keeps) its namespace at the first lookup of torch.ops.torch_attn
-    patcher.on_undo(lambda: vars(torch.ops).pop("torch_attn", None))
     return True
