@@ -1,8 +1,8 @@
 """mesh-layout: torch.distributed._pycute and _mesh_layout served on torch 2.4-2.9 compute what torch
 2.15's own modules compute on the same inputs (the script runs served here and natively on 2.15)."""
 
-from conftest import (clean_env, import_with_torchpatch, run_json, run_newest_torch_json, run_py,
-                      where_patch_applies, where_patch_does_not_apply)
+from conftest import (clean_env, import_with_torchpatch, only_torch, run_json, run_newest_torch_json, run_py,
+                      where_patch_applies)
 
 LAYOUTS = """
 import json, torch
@@ -92,7 +92,7 @@ def test_local_tensor_itself_is_not_served():
     assert result == "ImportError"
 
 
-@where_patch_does_not_apply("mesh-layout")
+@only_torch(">=2.10", "torch's own _pycute, _mesh_layout and _local_tensor (before 2.4: none, not served)")
 def test_inactive_where_torch_has_the_modules():
     assert import_with_torchpatch("import torch.distributed._pycute, torch.distributed._local_tensor",
                                   "mesh-layout")["error"] is None
