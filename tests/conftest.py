@@ -287,6 +287,17 @@ os._exit(0)
 """
 
 
+def gathered_tail(patch_id: str) -> str:
+    """The end of a rank script whose ranks each fill a dict ``out``: with ``out["status"]`` the patch's
+    status there, rank 0 prints every rank's ``out`` (a list in rank order); then the exit without teardown."""
+    return ("\nimport torchpatch\n"
+            f"out['status'] = torchpatch.status().get({patch_id!r})\n"
+            "gathered = [None] * dist.get_world_size()\n"
+            "dist.all_gather_object(gathered, out)\n"
+            "if dist.get_rank() == 0:\n"
+            f"    print({RESULT!r} + json.dumps(gathered), flush=True)\n") + LEAVE_WITHOUT_TEARDOWN
+
+
 # The start of a DTensor rank script: gloo, a 1-D CPU mesh over every rank, the public names (served
 # on torch 2.4 with TORCHPATCH=1; torch.distributed._tensor's without).
 DTENSOR_RANK_SETUP = """

@@ -14,7 +14,7 @@ and 2.15 raise natively; the patch is not applied there. The same holds on one p
 import pytest
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, ranks_result, run_json,
+    clean_env, gathered_tail, only_torch, patch_applies_here, ranks_result, run_json,
     through_patch_range, where_patch_applies
 )
 
@@ -58,13 +58,7 @@ for name, (w_size, d_rows) in {"same": (4, 8), "larger": (6, 10), "smaller": (2,
         out[name] = "half loaded"
     else:
         out[name] = "other"
-import torchpatch
-out["status"] = torchpatch.status().get("dcp-load-size-mismatch")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+""" + gathered_tail("dcp-load-size-mismatch")
 
 
 def run(tmp_path, **env) -> list:

@@ -19,10 +19,10 @@ import importlib.util
 import pytest
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
-    where_patch_applies
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
+    through_patch_range, where_patch_applies
 )
-from test_patch_fsdp2_spmd_types import RANKS as SPMD_TYPES_RANKS
+from test_patch_fsdp2_spmd_types import RANKS_BODY as SPMD_TYPES_RANKS
 
 needs_spmd_types = pytest.mark.skipif(
     importlib.util.find_spec("spmd_types") is None,
@@ -38,7 +38,7 @@ try:
 except ValueError as exc:
     out["not_annotated"] = outcome(exc)
 m = copy.deepcopy(model)
-annotate(m, spmd.S(0))''').replace('get("fsdp2-spmd-types")', 'get("fsdp2-dp-mesh-dims")')
+annotate(m, spmd.S(0))''') + gathered_tail("fsdp2-dp-mesh-dims")
 assert "not_annotated" in RANKS and "fsdp2-dp-mesh-dims" in RANKS
 
 

@@ -14,7 +14,7 @@ applied there.
 import pytest
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
+    clean_env, gathered_tail, patch_applies_here, ranks_result, through_patch_range,
     torch_matches, where_patch_applies
 )
 
@@ -85,13 +85,7 @@ for name, wrap in layouts.items():
     # the same numbers up to the order of a few float64 additions (<< 1e-12), against ~1e-1 when the tie breaks
     diff = max(float((full[k] - v).abs().max()) for k, v in ref.state_dict().items())
     out[name] = "reference" if diff < 1e-12 else f"diverged by {diff:.3g}"
-import torchpatch
-out["status"] = torchpatch.status().get("fsdp2-shared-params")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+""" + gathered_tail("fsdp2-shared-params")
 
 
 def run(tmp_path, **env) -> list:

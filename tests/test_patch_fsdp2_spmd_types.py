@@ -16,7 +16,7 @@ import importlib.util
 import pytest
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, through_patch_range,
+    clean_env, gathered_tail, patch_applies_here, ranks_result, through_patch_range,
     where_patch_applies
 )
 
@@ -25,7 +25,7 @@ needs_spmd_types = pytest.mark.skipif(
     reason="the spmd_types package is not installed here (torchtitan 0.3.0's dependency; the "
     "torchtitan-on-2-13 venv has it)")
 
-RANKS = """
+RANKS_BODY = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
 import spmd_types as spmd
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
@@ -96,13 +96,8 @@ try:
     out["sharded_on_dp"] = "no error"
 except ValueError as exc:
     out["sharded_on_dp"] = outcome(exc)
-import torchpatch
-out["status"] = torchpatch.status().get("fsdp2-spmd-types")
-gathered = [None] * W
-dist.all_gather_object(gathered, out)
-if rank == 0:
-    print(RESULT + json.dumps(gathered), flush=True)
-""".replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
+"""
+RANKS = RANKS_BODY + gathered_tail("fsdp2-spmd-types")
 
 
 def run(tmp_path, **env) -> list:
