@@ -295,7 +295,15 @@ def instrument(trainer, grad_scale: float) -> None:
         return clip(*args, **kwargs)
 
     def loaded(*args, **kwargs):
+        # torchtitan 0.1 pops ``freqs_cis`` from its model's cached state dict (what it saves) when it loads
+        # a model-only checkpoint (the seed): what it saved after that could not be resumed (``Missing key
+        # in checkpoint state_dict: model.freqs_cis``, on every torch; 0.2 no longer pops). The entry goes
+        # back (the same buffer, loaded in place or not at all).
+        model = getattr(trainer.checkpointer, "states", {}).get("model")
+        cached = dict(model.state_dict()) if model is not None else {}
         result = load(*args, **kwargs)
+        for name, value in cached.items():
+            model.state_dict().setdefault(name, value)
         digest = weights_digest(trainer)
         if dist.get_rank() == 0:
             print(json.dumps({"weights": digest}), flush=True)

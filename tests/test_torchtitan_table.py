@@ -1,5 +1,6 @@
 """tools/torchtitan_table.py without torchtitan: the docs' table of the release x torch pairs it ran
-replaces only those rows (a release, or a torch, is trained again without training the others)."""
+replaces only those rows (a release, or a torch, is trained again without training the others), and its
+"DCP older to newer" column is written alone into the rows it ran."""
 
 from __future__ import annotations
 
@@ -17,8 +18,15 @@ def _result(release: str, torches, error: str = "") -> dict:
     resume = {"error": "", "losses": [2.0, 1.0], "vs_uninterrupted": 0.0}
     return {"release": release, "reference": torches[-1], "cannot_start": {"2.4.1": "ModuleNotFoundError: x"},
             "runs": {t: {"native_fsdp_error": "", "dcp_resume": resume, "dcp_from_newest": resume,
+                         "dcp_from_older": _older(torches[0], t),
                          **{p: {**run, "is_reference": t == torches[-1]} for p in table.PARALLELS}}
                      for t in torches}}
+
+
+def _older(saver: str, torch: str, error: str = "") -> dict:
+    if torch == saver:
+        return {"saves": True, "error": ""}
+    return {"saved_by": saver, "error": error, "losses": [2.0, 1.0], "same_weights": True, "vs_uninterrupted": 0.0}
 
 
 def test_write_replaces_only_the_rows_it_ran(tmp_path, monkeypatch):
@@ -56,3 +64,23 @@ def test_the_reference_is_never_compared_with_itself():
     assert "trains, equal (0.0e+00)" in older and "the reference" not in older
     assert newest.count("the reference; one process: equal (0.0e+00)") == len(table.PARALLELS)
     assert "trains, equal" not in newest
+
+
+def test_older_to_newer_column_alone(tmp_path, monkeypatch):
+    """``--only-dcp-from-older --write`` adds the column to a page without it, fills the rows it ran (which
+    torch saved, the difference, or the resume's error) and keeps every other cell."""
+    page = tmp_path / "torchtitan.md"
+    full = table.markdown([_result("0.1.0", ["2.4.1", "2.9.0", "2.15.0"])]).splitlines()
+    without = [row.rsplit("|", 2)[0] + "|" for row in full]  # the page before the column existed
+    page.write_text(f"intro\n{table.MARKERS[0]}\n" + "\n".join(without) + f"\n{table.MARKERS[1]}\noutro\n")
+    monkeypatch.setattr(table, "PAGE", page)
+    error = "RuntimeError: Missing key in checkpoint state_dict: lr_scheduler._is_initial."
+    table.write_column([{"release": "0.1.0", "runs": {"2.9.0": {"dcp_from_older": _older("2.4.1", "2.9.0")},
+                                                      "2.15.0": {"dcp_from_older": _older("2.4.1", "2.15.0", error)}}}])
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    assert rows[0] == full[0] and rows[1] == full[1]
+    cells = {row.split("|")[2].split()[0]: row.rsplit("|", 2)[1].strip() for row in rows[2:]}
+    assert cells == {"2.4.1": "", "2.9.0": "from 2.4.1: resumes, equal (0.0e+00)", "2.15.0": f"from 2.4.1: fails: `{error}`"}
+    assert [row.rsplit("|", 2)[0] for row in rows] == [row.rsplit("|", 2)[0] for row in full]
+    assert next(r for r in full if "| 2.4.1 |" in r and "cannot" not in r).endswith(
+        "| saves the checkpoint the newer torches resume |")

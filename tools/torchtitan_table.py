@@ -46,6 +46,7 @@ PAGE = REPO / "docs" / "torchtitan.md"  # the docs page that holds the table
 MARKERS = ("<!-- torchtitan-table:start -->", "<!-- torchtitan-table:end -->")
 PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac")
 RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
+OLDER_COLUMN = "DCP older to newer"  # the header of dcp_from_older's column (written alone by write_column)
 TOLERANCE = 1e-5  # relative, per step (the issue's bar): float32 sums in another order, another parallelism or torch
 
 
@@ -89,13 +90,15 @@ def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, 
 
 
 def first_error(stderr: str) -> str:
-    """The first exception line of a failed run (the root cause, not torchrun's summary), or what a
-    C++ exception that aborted a rank said; file paths left out."""
+    """The first exception line of a failed run (the root cause, not torchrun's summary nor DCP's
+    ``CheckpointException`` naming the ranks before their tracebacks), or what a C++ exception that
+    aborted a rank said; file paths left out."""
     for line in stderr.splitlines():
         line = re.sub(r"^\[rank\d+\]:\s*", "", line).strip()
         if "what():" in line:
             line = "C++ abort: " + line.split("what():")[-1].strip()
-        elif not re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt): ", line) or "ChildFailedError" in line:
+        elif not re.match(r"^([A-Za-z_][\w.]*)?(Error|Exception|Interrupt): ", line) or any(
+                wrapper in line for wrapper in ("ChildFailedError", "CheckpointException ranks")):
             continue
         return re.sub(r" \((/|\w:\\)[^)]*\)", "", line)[:240]
     return (stderr.strip().splitlines() or ["failed without output"])[-1][:240]
@@ -135,6 +138,61 @@ def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatc
     return {"error": rest.error, "losses": whole.losses[:2] + rest.losses, "vs_uninterrupted": compare(rest, whole, 2)}
 
 
+def dcp_from_older(torches: Dict[str, str], release_dir: str, seed: str, work: Path, steps: int,
+                   uninterrupted: Dict[str, Run]) -> Dict[str, dict]:
+    """DCP from an older torch to the newer ones: the oldest torch (the seed checkpoint's maker) trains
+    FSDP from the seed checkpoint for ``steps`` steps saving at step 2, and every newer torch resumes from
+    that step-2 checkpoint; its steps 3.. must repeat its own uninterrupted FSDP run from the seed
+    checkpoint (``uninterrupted``, run here where missing), after the saving run started from bitwise
+    its weights. All with TORCHPATCH=1. torch -> the JSON-able outcome."""
+    (oldest, saver), *newer = torches.items()
+    fsdp = ["--parallel", "fsdp", "--steps", str(steps)]
+    saved = work / f"ckpt-{oldest}-seeded"
+    save = run_example(saver, release_dir, [*fsdp, "--seed-checkpoint", seed, "--checkpoint-dir", str(saved),
+                                            "--checkpoint-interval", "2"], 2, True)
+    outcome = {oldest: {"saves": True, "error": save.error}}
+    for torch, python in newer:
+        own = uninterrupted.get(torch) or run_example(python, release_dir, [*fsdp, "--seed-checkpoint", seed], 2, True)
+        if save.error:
+            outcome[torch] = {"saved_by": oldest, "error": f"no checkpoint: the save on {oldest} failed", "losses": []}
+            continue
+        folder = work / f"ckpt-{oldest}-on-{torch}"  # a copy of step 2 alone: this run saves into it
+        shutil.copytree(saved / "step-2", folder / "step-2")
+        rest = run_example(python, release_dir, [*fsdp, "--checkpoint-dir", str(folder), "--load-step", "2"], 2, True)
+        outcome[torch] = {"saved_by": oldest, "error": rest.error, "losses": save.losses[:2] + rest.losses,
+                          "same_weights": save.weights == own.weights, "vs_uninterrupted": compare(rest, own, 2)}
+    return outcome
+
+
+def make_seed(torches: Dict[str, str], release: str, release_dir: str, seed: str) -> dict:
+    """The seed checkpoint, made by the oldest torch that can (the others before it cannot start the
+    release); the JSON-able start of a release's result."""
+    result: dict = {"release": release, "seed_by": None, "seed_error": "", "reference": list(torches)[-1],
+                    "runs": {}, "cannot_start": {}, "commit": _commit()}
+    for torch, python in torches.items():
+        error = run_example(python, release_dir, ["--make-seed-checkpoint", seed], 1, True).error
+        if not error:
+            result["seed_by"] = torch
+            return result
+        result["cannot_start"][torch] = error
+    result["seed_error"] = error
+    return result
+
+
+def survey_dcp_from_older(torches: Dict[str, str], release: str, release_dir: str, steps: int) -> dict:
+    """The runs of the table's "DCP older to newer" column alone (``--only-dcp-from-older``)."""
+    work = Path(tempfile.mkdtemp(prefix=f"titan-table-{release}-"))
+    try:
+        result = make_seed(torches, release, release_dir, str(work / "seed"))
+        if result["seed_by"]:
+            able = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
+            cells = dcp_from_older(able, release_dir, str(work / "seed"), work, steps, {})
+            result["runs"] = {torch: {"dcp_from_older": cell} for torch, cell in cells.items()}
+        return result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def survey_release(torches: Dict[str, str], release: str, release_dir: str, steps: int,
                    parallels: Sequence[str]) -> dict:
     """Every run of one release; a JSON-able dict."""
@@ -142,19 +200,12 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
     try:
         newest = list(torches)[-1]
         seed = str(work / "seed")
-        result: dict = {"release": release, "seed_by": None, "seed_error": "", "reference": newest, "runs": {},
-                        "cannot_start": {}, "commit": _commit()}
-        for torch, python in torches.items():  # the oldest torch that can make it
-            error = run_example(python, release_dir, ["--make-seed-checkpoint", seed], 1, True).error
-            if not error:
-                result["seed_by"] = torch
-                break
-            result["cannot_start"][torch] = error
-        else:
-            result["seed_error"] = error
+        result = make_seed(torches, release, release_dir, seed)
+        if not result["seed_by"]:
             return result
         torches = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
         common = ["--steps", str(steps), "--seed-checkpoint", seed]
+        patched_fsdp: Dict[str, Run] = {}  # torch -> its FSDP run from the seed with TORCHPATCH=1
         native = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
                   for p in dict.fromkeys(("single", "fsdp", *parallels))}  # fsdp: the native column
         # where the newest torch's native run fails, its one process over the same global batch is the reference
@@ -167,6 +218,8 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
                 is_reference = torch == newest and not native[p].error
                 run = native[p] if is_reference else run_example(python, release_dir, ["--parallel", p, *common],
                                                                  RANKS[p], True)
+                if p == "fsdp" and not is_reference:
+                    patched_fsdp[torch] = run
                 row[p] = {**asdict(run), "is_reference": is_reference,
                           "reference": "native" if not native[p].error else "one process",
                           "same_weights": run.weights == reference[p].weights,
@@ -179,6 +232,8 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
                 row["dcp_from_newest"] = dcp_resume(torches[newest], release_dir, newest_dcp, steps, True,
                                                     resume_python=python, save_torchpatch=bool(native["fsdp"].error))
             result["runs"][torch] = row
+        for torch, outcome in dcp_from_older(torches, release_dir, seed, work, steps, patched_fsdp).items():
+            result["runs"][torch]["dcp_from_older"] = outcome
         return result
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -204,32 +259,43 @@ def _cell(run: dict) -> str:
     return f"trains, {verdict}" + (" to one process" if run["reference"] == "one process" else "")
 
 
-def _dcp(resume: Optional[dict]) -> str:
+def _dcp(resume: Optional[dict], resumers: str = "older") -> str:
     if resume is None:
         return "not measured"
     if resume.get("saves"):
-        return "saves the checkpoint the older torches resume"
+        return f"fails: `{resume['error']}`" if resume.get("error") else f"saves the checkpoint the {resumers} torches resume"
     if resume["error"]:
         return f"fails: `{resume['error']}`"
     diff = resume["vs_uninterrupted"]
     return "resumes, equal" if diff is not None and diff <= TOLERANCE else "resumes, DIFFERS"
 
 
+def _dcp_from_older(resume: Optional[dict]) -> str:
+    """A cell of the "DCP older to newer" column: which torch saved, and the largest difference."""
+    if resume is None or resume.get("saves"):
+        return _dcp(resume, "newer")
+    if resume["error"] or resume["vs_uninterrupted"] is None:
+        return f"from {resume['saved_by']}: {_dcp(resume)}"
+    weights = "" if resume["same_weights"] else "saved from other weights than this torch's run; "
+    return f"from {resume['saved_by']}: {weights}{_dcp(resume)} ({resume['vs_uninterrupted']:.1e})"
+
+
 def markdown(results: List[dict], parallels: Sequence[str] = PARALLELS) -> str:
     """The table: one row per release x torch."""
     lines = ["| torchtitan | torch | natively (FSDP) | " + " | ".join(parallels)
-             + " | DCP save + resume | DCP from the newest torch |",
-             "|---|---|---|" + "---|" * len(parallels) + "---|---|"]
+             + f" | DCP save + resume | DCP from the newest torch | {OLDER_COLUMN} |",
+             "|---|---|---|" + "---|" * len(parallels) + "---|---|---|"]
     for r in results:
         for torch, error in r.get("cannot_start", {}).items():
             lines.append(f"| {r['release']} | {torch} | cannot start with TORCHPATCH=1: `{error}` |"
-                         + " |" * (len(parallels) + 2))
+                         + " |" * (len(parallels) + 3))
         for torch, row in r["runs"].items():
             native = "trains" if not row["native_fsdp_error"] else f"`{row['native_fsdp_error']}`"
             ref = " (reference: native)" if torch == r["reference"] else ""
             lines.append(f"| {r['release']} | {torch}{ref} | {native} | "
                          + " | ".join(_cell(row[p]) for p in parallels)
-                         + f" | {_dcp(row['dcp_resume'])} | {_dcp(row.get('dcp_from_newest'))} |")
+                         + f" | {_dcp(row['dcp_resume'])} | {_dcp(row.get('dcp_from_newest'))}"
+                         + f" | {_dcp_from_older(row.get('dcp_from_older'))} |")
     return "\n".join(lines)
 
 
@@ -243,6 +309,25 @@ def write_page(table: str) -> None:
     kept = [row for row in text[start:end].strip().splitlines()[2:] if _row_key(row) not in ran]
     rows = sorted(kept + rows, key=lambda row: tuple(Version(v) for v in _row_key(row)))
     PAGE.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
+
+
+def write_column(results: List[dict]) -> None:
+    """Put the "DCP older to newer" cells of ``results`` (``survey_dcp_from_older``) into the page's
+    rows of their release x torch pairs, the other cells kept; the column is added where the page lacks it."""
+    text = PAGE.read_text()
+    start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
+    rows = [row.split("|")[1:-1] for row in text[start:end].strip().splitlines()]  # cells with their spaces
+    if rows[0][-1].strip() != OLDER_COLUMN:
+        for cells, added in zip(rows, [f" {OLDER_COLUMN} ", "---"] + [" "] * (len(rows) - 2)):
+            cells.append(added)
+    new = {(r["release"], torch): _dcp_from_older(row["dcp_from_older"]) for r in results for torch, row in r["runs"].items()}
+    for cells in rows[2:]:
+        key = _row_key("|" + "|".join(cells) + "|")
+        if key in new:
+            cells[-1] = f" {new.pop(key)} "
+    if new:
+        raise SystemExit(f"no row in {PAGE.name} for {sorted(new)}: run the whole table for them first")
+    PAGE.write_text(text[:start] + "\n" + "\n".join("|" + "|".join(cells) + "|" for cells in rows) + "\n" + text[end:])
 
 
 def _row_key(row: str) -> tuple:
@@ -272,6 +357,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--write", action="store_true", help="write the table into docs/torchtitan.md")
     parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
     parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
+    parser.add_argument("--only-dcp-from-older", action="store_true",
+                        help=f"run only the {OLDER_COLUMN!r} column (--write: its cells alone, in the page's rows)")
     args = parser.parse_args(argv)
     if args.from_json:
         table = markdown(json.loads(Path(args.from_json).read_text()), args.parallel or PARALLELS)
@@ -282,6 +369,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.torch or not args.release:
         parser.error("--torch and --release are needed (or --from-json)")
     torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
+    if args.only_dcp_from_older:
+        results = [survey_dcp_from_older(torches, release, path, args.steps) for release, path in releases.items()]
+        for r in results:
+            print(f"{r['release']} (seed by {r['seed_by']}, at {r['commit']}): " + "; ".join(
+                f"{torch}: {_dcp_from_older(row['dcp_from_older'])}" for torch, row in r["runs"].items()))
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+        if args.write:
+            write_column(results)
+        return 0
     parallels = args.parallel or list(PARALLELS)
     results = [survey_release(torches, release, path, args.steps, parallels) for release, path in releases.items()]
     table = markdown(results, parallels)
