@@ -1,0 +1,82 @@
+"""Checkpoints across torch versions, without a cross-venv run: this torch resumes the trainer state that
+every torch of the matrix saved (``tests/fixtures/checkpoints/<torch>``, written by
+``tools/checkpoint_fixtures.py``; what is saved: ``tests/checkpoint_programs.py``), and its next step
+equals, bit for bit, the same state loaded through this torch's own ``load_state_dict`` from the
+``torch.save`` copy saved beside it (computed here, in the run).
+
+Older to newer is what ``dcp-older-state-keys`` serves (the newer optimizers' and schedulers' entries);
+newer to older is what ``dcp-metadata-strides`` and ``lr-scheduler-state-verbose`` serve; a fixture
+whose tensors do not fit the trainer still fails with torch's own error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from checkpoint_programs import LOAD
+from conftest import TORCH, clean_env, only_torch, run_json, run_ranks, where_patch_applies
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "checkpoints"
+SAVERS = sorted((p.name for p in FIXTURES.iterdir()), key=Version)
+HERE = Version(TORCH).base_version
+
+
+def resume(saver: str, **env: str) -> dict:
+    return run_json(LOAD, args=(str(FIXTURES / saver),), env=clean_env(**env), timeout=240)
+
+
+def assert_resumes(out: dict) -> None:
+    assert out["parts"] == {"load": "ok", "model": "ok", "optim": "ok", "sched": "ok", "loop": "ok"}, out
+    assert set(out["step"].values()) == {"same"}, out["step"]
+
+
+@only_torch(">=2.4", "DCP's get_state_dict/set_state_dict and the served loads")
+@pytest.mark.parametrize("saver", SAVERS)
+def test_resumes_every_matrix_torchs_checkpoint(saver):
+    out = resume(saver, TORCHPATCH="1")
+    assert out["saved_by"] == saver
+    assert_resumes(out)
+
+
+@only_torch(">=2.4", "FSDP2 and DCP's get_state_dict/set_state_dict")
+def test_fsdp2_ranks_resume_torch_2_4s_sharded_checkpoint(tmp_path):
+    """The issue's case: FSDP2 on 2 gloo ranks, AdamW, saved with get_state_dict + dcp.save on torch
+    2.4.1, resumed by FSDP2 on 2 ranks here; each rank's shards equal its reference's after a step."""
+    script = f"import sys; sys.argv[1:] = [{str(FIXTURES / '2.4.1')!r}]\n" + LOAD
+    proc = run_ranks(script, nproc=2, env=clean_env(TORCHPATCH="1"), tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(ranks) == 2
+    for out in ranks:
+        assert_resumes(out)
+
+
+@where_patch_applies("dcp-older-state-keys")
+@pytest.mark.parametrize("saver", [s for s in SAVERS if Version(s) < Version(HERE)])
+def test_natively_older_optimizer_and_scheduler_entries_are_missing(saver):
+    out = resume(saver)
+    newer = [s for s in ("2.3", "2.7") if Version(saver) < Version(s) <= Version(HERE)]
+    if Version(saver) < Version("2.4") or not newer:
+        # torch < 2.4 saved each non-tensor subtree whole, which torch 2.4+ still reads whole; and
+        # nothing was added between the two
+        assert_resumes(out)
+    else:
+        assert out["parts"]["load"].startswith("RuntimeError: Missing key in checkpoint state_dict: "), out
+        key = out["parts"]["load"].split(": ")[-1].rstrip(".")
+        assert key.rsplit(".", 1)[-1] in ("decoupled_weight_decay", "fused", "_is_initial"), key
+
+
+@only_torch(">=2.4", "DCP's get_state_dict/set_state_dict")
+def test_a_checkpoint_that_does_not_fit_fails_with_torchs_own_error():
+    """A fixture of an older torch, loaded into a trainer whose models have one more layer: torch's
+    own missing-key error for the layer, with and without torchpatch, and nothing loaded."""
+    older = SAVERS[1]  # torch 2.4.1: its optimizers lack entries that newer torch added
+    code = LOAD.replace("nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))",
+                        "nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.Linear(4, 4))")
+    assert code != LOAD
+    for env in ({"TORCHPATCH": "1"}, {}):
+        out = run_json(code, args=(str(FIXTURES / older),), env=clean_env(**env), timeout=240)
+        assert out["parts"] == {"load": "RuntimeError: Missing key in checkpoint state_dict: adamw.model.3.weight."}, out
