@@ -132,10 +132,15 @@ def run_json(code: str, **kw) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-# The matrix venv of the newest torch (noxfile.py's cache of venvs), where it exists: files written by a
-# served backport are read back there by that torch's own code (run_newest_torch_json).
-NEWEST_TORCH_PYTHON = Path(os.environ.get("NOX_TORCH_VENVS", "~/.cache/torchpatch/nox")).expanduser() / (
-    "matrix-torch-2-15-0/bin/python")
+def matrix_python(torch: str) -> Path:
+    """The python of the matrix venv of ``torch`` (noxfile.py's cache of venvs; it may not exist)."""
+    venvs = Path(os.environ.get("NOX_TORCH_VENVS", "~/.cache/torchpatch/nox")).expanduser()
+    return venvs / f"matrix-torch-{torch.replace('.', '-')}" / "bin" / "python"
+
+
+# The matrix venv of the newest torch, where it exists: files written by a served backport are read back
+# there by that torch's own code (run_newest_torch_json).
+NEWEST_TORCH_PYTHON = matrix_python("2.15.0")
 
 
 def run_newest_torch_json(code: str, *args: str) -> Any:

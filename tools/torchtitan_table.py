@@ -16,10 +16,13 @@ must be bitwise those of the reference. The newest torch given is the reference:
 PREMUL_SUM), the reference is the newest torch's native run on one process over the same global batch,
 and the newest torch runs the parallelism with TORCHPATCH=1. Each torch also runs its FSDP configuration
 with TORCHPATCH unset, to record what happens without torchpatch; an FSDP run that saves a DCP
-checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's; and a
-resume from the newest torch's step-2 checkpoint (DCP across versions). ``--write`` puts the table into
+checkpoint at step 2, then a run resuming from it, whose steps 3.. must repeat the first run's; a
+resume from the newest torch's step-2 checkpoint (DCP across versions); and, older to newer, a resume
+from the step-2 checkpoint of the oldest torch's FSDP run from the seed checkpoint, whose steps 3.. must
+repeat the resuming torch's own uninterrupted run from the seed checkpoint. ``--write`` puts the table into
 ``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the release x torch
-pairs it ran and keeping the others.
+pairs it ran and keeping the others; with ``--only-dcp-from-older`` it runs that last column alone and
+writes its cells into the page's rows.
 """
 
 from __future__ import annotations
@@ -126,9 +129,8 @@ def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatc
     """FSDP for ``steps`` steps saving a DCP checkpoint at step 2, then a second run resuming from that
     checkpoint (on ``resume_python``'s torch where given: DCP across versions): its steps 3.. must
     repeat the first run's (losses and gradient norms). The first run (TORCHPATCH=1 where
-    ``save_torchpatch``, default ``torchpatch``) starts from torchtitan's own seeded initialisation, not a
-    seed checkpoint: torchtitan 0.1.0 drops ``freqs_cis`` from its cached model state dict when it loads
-    a model-only checkpoint, so what it saves afterwards cannot be resumed (on every torch)."""
+    ``save_torchpatch``, default ``torchpatch``) starts from torchtitan's own seeded initialisation on its
+    torch, not a seed checkpoint: the second is compared with that run itself, whatever its weights."""
     common = ["--parallel", "fsdp", "--steps", str(steps), "--checkpoint-dir", folder]
     saving = torchpatch if save_torchpatch is None else save_torchpatch
     whole = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], 2, saving)
@@ -360,36 +362,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--only-dcp-from-older", action="store_true",
                         help=f"run only the {OLDER_COLUMN!r} column (--write: its cells alone, in the page's rows)")
     args = parser.parse_args(argv)
-    if args.from_json:
-        table = markdown(json.loads(Path(args.from_json).read_text()), args.parallel or PARALLELS)
-        print(table)
-        if args.write:
-            write_page(table)
-        return 0
-    if not args.torch or not args.release:
+    if not args.from_json and (not args.torch or not args.release):
         parser.error("--torch and --release are needed (or --from-json)")
-    torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text())
+    else:
+        torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
+        results = [survey_dcp_from_older(torches, release, path, args.steps) if args.only_dcp_from_older
+                   else survey_release(torches, release, path, args.steps, args.parallel or PARALLELS)
+                   for release, path in releases.items()]
+        print("measured at " + ", ".join(f"{r['release']}: {r['commit']}" for r in results), file=sys.stderr)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
     if args.only_dcp_from_older:
-        results = [survey_dcp_from_older(torches, release, path, args.steps) for release, path in releases.items()]
         for r in results:
             print(f"{r['release']} (seed by {r['seed_by']}, at {r['commit']}): " + "; ".join(
                 f"{torch}: {_dcp_from_older(row['dcp_from_older'])}" for torch, row in r["runs"].items()))
-        if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
         if args.write:
             write_column(results)
         return 0
-    parallels = args.parallel or list(PARALLELS)
-    results = [survey_release(torches, release, path, args.steps, parallels) for release, path in releases.items()]
-    table = markdown(results, parallels)
+    table = markdown(results, args.parallel or PARALLELS)
     print(table)
-    print("measured at " + ", ".join(f"{r['release']}: {r['commit']}" for r in results), file=sys.stderr)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
     if args.write:
         write_page(table)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
