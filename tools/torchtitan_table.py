@@ -154,10 +154,10 @@ def dcp_from_older(torches: Dict[str, str], release_dir: str, seed: str, work: P
                                             "--checkpoint-interval", "2"], 2, True)
     outcome = {oldest: {"saves": True, "error": save.error}}
     for torch, python in newer:
-        own = uninterrupted.get(torch) or run_example(python, release_dir, [*fsdp, "--seed-checkpoint", seed], 2, True)
         if save.error:
             outcome[torch] = {"saved_by": oldest, "error": f"no checkpoint: the save on {oldest} failed", "losses": []}
             continue
+        own = uninterrupted.get(torch) or run_example(python, release_dir, [*fsdp, "--seed-checkpoint", seed], 2, True)
         folder = work / f"ckpt-{oldest}-on-{torch}"  # a copy of step 2 alone: this run saves into it
         shutil.copytree(saved / "step-2", folder / "step-2")
         rest = run_example(python, release_dir, [*fsdp, "--checkpoint-dir", str(folder), "--load-step", "2"], 2, True)
