@@ -128,7 +128,8 @@ DCP_FROM_OLDER: Dict[Tuple[str, str], str] = {("0.1.0", "==2.15.*"): "2.4.1"}
 # torch 2.15 loads 0.1.0's flattened optimizer state dict (flatten_optimizer_state_dict=True) of every
 # param_group key the optimizer has now: decoupled_weight_decay (2.7+), which 2.4's AdamW did not save, is
 # missing there (dcp-older-state-keys leaves it out of dcp.load, not out of set_optimizer_state_dict's unflatten)
-OLDER_OPTIM_KEYS = pytest.mark.xfail(strict=True, reason="KeyError: 'param_groups.tok_embeddings.weight.decoupled_weight_decay'")
+OLDER_OPTIM_KEYS = pytest.mark.xfail(
+    strict=True, reason="KeyError: 'param_groups.tok_embeddings.weight.decoupled_weight_decay'")
 
 
 # Where the import survey does not run: the 2.9.0 session installs all three releases to train them; 0.1.0's

@@ -80,7 +80,8 @@ def test_older_to_newer_column_alone(tmp_path, monkeypatch):
     rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
     assert rows[0] == full[0] and rows[1] == full[1]
     cells = {row.split("|")[2].split()[0]: row.rsplit("|", 2)[1].strip() for row in rows[2:]}
-    assert cells == {"2.4.1": "", "2.9.0": "from 2.4.1: resumes, equal (0.0e+00)", "2.15.0": f"from 2.4.1: fails: `{error}`"}
+    assert cells == {"2.4.1": "", "2.9.0": "from 2.4.1: resumes, equal (0.0e+00)",
+                     "2.15.0": f"from 2.4.1: fails: `{error}`"}
     assert [row.rsplit("|", 2)[0] for row in rows] == [row.rsplit("|", 2)[0] for row in full]
     assert next(r for r in full if "| 2.4.1 |" in r and "cannot" not in r).endswith(
         "| saves the checkpoint the newer torches resume |")

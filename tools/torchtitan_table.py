@@ -265,7 +265,8 @@ def _dcp(resume: Optional[dict], resumers: str = "older") -> str:
     if resume is None:
         return "not measured"
     if resume.get("saves"):
-        return f"fails: `{resume['error']}`" if resume.get("error") else f"saves the checkpoint the {resumers} torches resume"
+        saves = f"saves the checkpoint the {resumers} torches resume"
+        return f"fails: `{resume['error']}`" if resume.get("error") else saves
     if resume["error"]:
         return f"fails: `{resume['error']}`"
     diff = resume["vs_uninterrupted"]
@@ -322,7 +323,8 @@ def write_column(results: List[dict]) -> None:
     if rows[0][-1].strip() != OLDER_COLUMN:
         for cells, added in zip(rows, [f" {OLDER_COLUMN} ", "---"] + [" "] * (len(rows) - 2)):
             cells.append(added)
-    new = {(r["release"], torch): _dcp_from_older(row["dcp_from_older"]) for r in results for torch, row in r["runs"].items()}
+    new = {(r["release"], torch): _dcp_from_older(row["dcp_from_older"])
+           for r in results for torch, row in r["runs"].items()}
     for cells in rows[2:]:
         key = _row_key("|" + "|".join(cells) + "|")
         if key in new:
