@@ -41,7 +41,8 @@ def test_resumes_every_matrix_torchs_checkpoint(saver):
     assert_resumes(out)
 
 
-@only_torch(">=2.4", "FSDP2 and DCP's get_state_dict/set_state_dict")
+@only_torch(">=2.5", "the reference: torch 2.4's set_optimizer_state_dict(full_state_dict=True) leaves an FSDP2 "
+                    "optimizer's state unsharded (full tensors beside sharded parameters)")
 def test_fsdp2_ranks_resume_torch_2_4s_sharded_checkpoint(tmp_path):
     """The issue's case: FSDP2 on 2 gloo ranks, AdamW, saved with get_state_dict + dcp.save on torch
     2.4.1, resumed by FSDP2 on 2 ranks here; each rank's shards equal its reference's after a step."""
@@ -80,3 +81,36 @@ def test_a_checkpoint_that_does_not_fit_fails_with_torchs_own_error():
     for env in ({"TORCHPATCH": "1"}, {}):
         out = run_json(code, args=(str(FIXTURES / older),), env=clean_env(**env), timeout=240)
         assert out["parts"] == {"load": "RuntimeError: Missing key in checkpoint state_dict: adamw.model.3.weight."}, out
+
+
+@only_torch(">=2.0,<2.4", "DCP's load_state_dict before torch 2.4")
+@pytest.mark.parametrize("saver", SAVERS)
+def test_before_2_4_resumes_its_own_and_names_the_torch_for_newer_checkpoints(saver):
+    out = resume(saver, TORCHPATCH="1")
+    if Version(saver) < Version("2.3"):
+        assert_resumes(out)
+    else:
+        assert out["parts"]["load"].startswith(
+            "RuntimeError: This distributed checkpoint was saved by torch 2.3 or newer: its metadata needs "
+            "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"), out
+
+
+READ_METADATA = """
+import json, sys, torch.distributed.checkpoint as dcp
+try:
+    dcp.FileSystemReader(sys.argv[1]).read_metadata()
+    print(json.dumps({"error": None}))
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}", "cause": type(exc.__cause__).__name__}))
+"""
+
+
+@where_patch_applies("dcp-newer-metadata-error")
+def test_natively_a_newer_checkpoints_metadata_fails_without_naming_a_torch():
+    newer = str(FIXTURES / "2.4.1" / "dcp")
+    native = run_json(READ_METADATA, args=(newer,))
+    assert native["error"].startswith("AttributeError: Can't get attribute '_MEM_FORMAT_ENCODING'"), native
+    served = run_json(READ_METADATA, args=(newer,), env=clean_env(TORCHPATCH="1"))
+    assert served["error"].startswith("RuntimeError: This distributed checkpoint was saved by torch 2.3 or newer")
+    assert "dcp_to_torch_save" in served["error"] and served["cause"] == "AttributeError"
+    assert run_json(READ_METADATA, args=(str(FIXTURES / "2.1.2" / "dcp"),), env=clean_env(TORCHPATCH="1")) == {"error": None}
