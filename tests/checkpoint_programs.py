@@ -148,8 +148,9 @@ if "RANK" in os.environ:  # as ranks: each model sharded with FSDP2, as the save
     def shard(model):
         fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
 if fqn:
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                         set_model_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
 
 def load(state):
@@ -219,9 +220,10 @@ if all(v == "ok" for v in parts.values()):
     expected = torch.load(os.path.join(folder, "expected.pt"))
     reference = build(shard)
     for name, (model, opt, sched) in reference.items():
-        if fqn:
-            set_model_state_dict(model, expected[name]["model"])
-            set_optimizer_state_dict(model, opt, expected[name]["optim"])
+        if fqn:  # full tensors, sharded here as the ranks' own
+            full = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(model, expected[name]["model"], options=full)
+            set_optimizer_state_dict(model, opt, expected[name]["optim"], options=full)
         else:
             model.load_state_dict(expected[name]["model"])
             opt.load_state_dict(expected[name]["optim"])
@@ -237,8 +239,9 @@ if all(v == "ok" for v in parts.values()):
             out.update({f"optim.{i}.{k}": local(v) for k, v in opt.state.get(p, {}).items() if torch.is_tensor(v)})
         return out
 
-    def groups(opt):
-        return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    def groups(opt):  # (a tuple as a list: torch's full-state-dict load gives betas as a list)
+        return [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+                for g in opt.param_groups]
 
     step = {"loop.rng": "same" if torch.equal(resumed_rng, expected["loop"]["rng"]) else "differs",
             "loop.state": "same" if (loop["step"], loop["data"]) == (expected["loop"]["step"], expected["loop"]["data"])
@@ -251,8 +254,11 @@ if all(v == "ok" for v in parts.values()):
         a, b = tensors(name, resumed), tensors(name, reference)
         diff = [k for k in b if k not in a or not torch.equal(a[k], b[k])]
         step[f"{name}.tensors"] = "same" if not diff and len(a) == len(b) else f"differs: {diff[:4]}"
-        step[f"{name}.param_groups"] = ("same" if groups(resumed[name][1]) == groups(reference[name][1])
-                                        else f"differs: {groups(resumed[name][1])} vs {groups(reference[name][1])}")
+        # the entries of this torch's param groups (a newer torch's state dict, loaded with
+        # load_state_dict, keeps entries this torch never reads: DCP loads only this torch's)
+        mine, theirs = groups(resumed[name][1]), groups(reference[name][1])
+        theirs = [{k: g.get(k) for k in m} for m, g in zip(mine, theirs)]
+        step[f"{name}.param_groups"] = "same" if mine == theirs else f"differs: {mine} vs {theirs}"
         step[f"{name}.lr"] = ("same" if resumed[name][2].get_last_lr() == reference[name][2].get_last_lr()
                               else f"differs: {resumed[name][2].get_last_lr()} vs {reference[name][2].get_last_lr()}")
     result["step"] = step
