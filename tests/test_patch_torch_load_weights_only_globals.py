@@ -244,3 +244,33 @@ def test_older_torch_loads_natively(saved):
                    "'status': torchpatch.status().get('torch-load-weights-only-globals')}))",
                    args=(str(path),), env=clean_env(PYTHONPATH=_pythonpath(folder), TORCHPATCH="1"))
     assert out["status"] is None and out["state"] == values
+
+
+MAIN_CLASS = """
+import dataclasses, json, sys, torch
+
+@dataclasses.dataclass
+class Cfg:
+    lr: float = 0.1
+
+if sys.argv[2] == "save":
+    torch.save({"cfg": Cfg(0.5), "w": torch.ones(2)}, sys.argv[1])
+    try:
+        torch.load(sys.argv[1])
+    except Exception as exc:
+        print(json.dumps({"message": str(exc)}))
+else:
+    exec(sys.argv[3])
+    print(json.dumps({"lr": state["cfg"].lr, "type": type(state["cfg"]).__name__, "w": state["w"].tolist()}))
+"""
+
+
+@where_patch_applies("torch-load-weights-only-globals", "a config class defined in the training script")
+def test_class_of_main_is_named_for_the_loading_script(tmp_path):
+    path = str(tmp_path / "s.pt")
+    message = run_json(MAIN_CLASS, args=(path, "save"), env=clean_env(TORCHPATCH="1"))["message"]
+    assert _listed(message) == ["__main__.Cfg"]
+    code = _remedy_one(message)
+    assert '(Cfg, "__main__.Cfg")' in code
+    # the loading script defines Cfg itself (this one does, as the message says), without torchpatch
+    assert run_json(MAIN_CLASS, args=(path, "load", code)) == {"lr": 0.5, "type": "Cfg", "w": [1.0, 1.0]}

@@ -15,12 +15,12 @@ What breaks:   a training state that an older torch saved with ``torch.save`` (m
                match under numpy 2 (its ``__module__`` is ``numpy._core.multiarray``).
 Torch:         2.6 and later (2.15 included): the default became ``weights_only=True`` in 2.6 and each
                message still names one global. Before 2.6 the default is ``False`` and such files load.
-Fix:           nothing on success (the wrapper only calls ``torch.load``; for a file object it notes
-               its position). When ``torch.load`` raises its weights-only ``UnpicklingError``, read the
-               file's pickle without running it (``pickletools`` and a model of the stack, which tells
-               the class ``numpy.dtype`` builds), list every global and built class this torch's
-               allowlists (default and ``safe_globals``) lack, and append to the same exception's
-               message (the native one kept first) the list and the two ways to load the file:
+Fix:           nothing on success (the wrapper only calls ``torch.load``). When ``torch.load`` raises
+               its weights-only ``UnpicklingError``, read the file's pickle again without running it
+               (``pickletools`` and a model of the stack, which tells the class ``numpy.dtype``
+               builds), list every global and built class this torch's allowlists (default and
+               ``safe_globals``) lack, and append to the same exception's message (the native one
+               kept first) the list and the two ways to load the file:
                ``with torch.serialization.safe_globals([...]): torch.load(...)`` with importable names
                (``(object, "name in the file")`` where numpy renamed the module), if the user trusts
                those classes; ``weights_only=False`` only if they trust the file. The default stays
@@ -75,21 +75,25 @@ _CONSTANTS: Dict[str, Any] = dict.fromkeys(
 _CONSTANTS.update(NONE=None, NEWTRUE=True, NEWFALSE=False)
 
 
-def _data_pkl(f: Any, start: Optional[int]) -> Optional[bytes]:
-    """The bytes of the archive's ``data.pkl``, or None (not a zip archive: torch's legacy format)."""
+def _data_pkl(f: Any) -> Optional[bytes]:
+    """The bytes of the archive's ``data.pkl`` (only the archive's directory and that record are read), or
+    None: not a zip archive (torch's legacy format), or a file object that cannot seek."""
     if isinstance(f, (str, os.PathLike)):
         with open(f, "rb") as opened:
-            data = opened.read()
-    else:
-        if start is None:
-            return None
-        position = f.tell()
-        f.seek(start)
-        data = f.read()
-        f.seek(position)
-    if not zipfile.is_zipfile(io.BytesIO(data)):
+            return _record(opened)
+    if not all(hasattr(f, name) for name in ("seek", "tell", "read")):
         return None
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+    position = f.tell()
+    try:
+        return _record(f)
+    finally:
+        f.seek(position)
+
+
+def _record(opened: Any) -> Optional[bytes]:
+    if not zipfile.is_zipfile(opened):
+        return None
+    with zipfile.ZipFile(opened) as archive:
         names = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         return archive.read(names[0]) if names else None
 
@@ -252,11 +256,11 @@ def _expression(name: str, obj: Any, module: str) -> Tuple[str, str, str]:
     return f'({name}, "{name}")', module, f"its own name here is {own}"
 
 
-def explanation(f: Any, start: Optional[int], message: str) -> Optional[str]:
+def explanation(f: Any, message: str) -> Optional[str]:
     """What torchpatch appends to the weights-only error of ``torch.load(f)``, or None."""
     from torch import _weights_only_unpickler as unpickler
 
-    pkl = _data_pkl(f, start)
+    pkl = _data_pkl(f)
     if pkl is None:
         return None
     names, built = needed(pkl)
@@ -268,9 +272,10 @@ def explanation(f: Any, start: Optional[int], message: str) -> Optional[str]:
         return None
     blocked = sorted(n for n in missing if n.rpartition(".")[0].split(".")[0] in getattr(unpickler, "_blocklisted_modules", ()))
     target = repr(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else "f"
-    lines = ["", "", f"{MARKER} read without running it, the file needs these {len(missing) + len(missing_built)} "
-             "classes and functions, which torch.load(weights_only=True) does not allow here (the error above names "
-             "the first one it met):"]
+    count = len(missing) + len(missing_built)
+    lines = ["", "", f"{MARKER} read without running it, the file needs {count} "
+             f"{'class or function' if count == 1 else 'classes and functions'} that torch.load(weights_only=True) "
+             "does not allow here (torch's message above names one at most):"]
     expressions, modules = [], set()
     for name in missing + missing_built:
         obj, module = _resolve(name) if name in missing else (built[name], built[name].__module__)
@@ -300,24 +305,19 @@ def explanation(f: Any, start: Optional[int], message: str) -> Optional[str]:
     lines.append(f"  (2) only if you trust the file itself (unpickling it can run any code): "
                  f"state = torch.load({target}, weights_only=False)"
                  + ("  (TORCH_FORCE_WEIGHTS_ONLY_LOAD is set here: unset it first)" if forced else ""))
+    if target == "f":
+        lines.append("  (f: the file object, put back where the checkpoint starts)")
     return "\n".join(lines)
 
 
 def _load(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    f = args[0] if args else kwargs.get("f")
-    start = None
-    if not isinstance(f, (str, os.PathLike)):
-        try:
-            start = f.tell()
-        except Exception:
-            pass
     try:
         return wrapped(*args, **kwargs)
     except pickle.UnpicklingError as exc:
         message = str(exc)
         if message.startswith("Weights only load failed") and MARKER not in message and len(exc.args) == 1:
             try:
-                extra = explanation(f, start, message)
+                extra = explanation(args[0] if args else kwargs.get("f"), message)
             except Exception as failure:  # the native error stands; say why nothing was added
                 extra = f"\n\n{MARKER} could not list the file's globals ({type(failure).__name__}: {failure})"
             if extra:
