@@ -274,3 +274,18 @@ def test_class_of_main_is_named_for_the_loading_script(tmp_path):
     assert '(Cfg, "__main__.Cfg")' in code
     # the loading script defines Cfg itself (this one does, as the message says), without torchpatch
     assert run_json(MAIN_CLASS, args=(path, "load", code)) == {"lr": 0.5, "type": "Cfg", "w": [1.0, 1.0]}
+
+
+@where_patch_applies("torch-load-weights-only-globals", "torch blocks os, sys, posix, nt")
+def test_blocked_module_leaves_only_weights_only_false(tmp_path):
+    out = run_json("""
+        import json, os, sys, torch
+        torch.save({"f": os.getcwd, "w": torch.ones(2)}, sys.argv[1])  # a global of posix (nt on Windows)
+        try:
+            torch.load(sys.argv[1])
+        except Exception as exc:
+            print(json.dumps({"message": str(exc)}))
+    """, args=(str(tmp_path / "s.pt"),), env=clean_env(TORCHPATCH="1"))
+    assert "is blocked" in out["message"] and _listed(out["message"]) == [f"{os.getcwd.__module__}.getcwd"]
+    assert "(1) with weights_only=True: not possible, no allowlist admits" in out["message"]
+    assert "safe_globals([" not in out["message"].split("torchpatch:", 1)[1]

@@ -270,7 +270,7 @@ def explanation(f: Any, message: str) -> Optional[str]:
     missing_built = sorted(n for n, cls in built.items() if n not in missing and not any(cls is o for o in allowed_objects))
     if not missing and not missing_built:
         return None
-    blocked = sorted(n for n in missing if n.rpartition(".")[0].split(".")[0] in getattr(unpickler, "_blocklisted_modules", ()))
+    blocked = sorted(n for n in missing if n.rpartition(".")[0] in getattr(unpickler, "_blocklisted_modules", ()))
     target = repr(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else "f"
     count = len(missing) + len(missing_built)
     lines = ["", "", f"{MARKER} read without running it, the file needs {count} "
