@@ -1,21 +1,23 @@
 """The trainer state that every torch of the matrix saves as a DCP checkpoint (``tests/fixtures/checkpoints/
 <torch>``, written by ``tools/checkpoint_fixtures.py``), and the program that resumes it on another torch.
 
-A trainer of three tiny MLPs, each with its optimizer and LR scheduler: AdamW (fused where the torch
-has a CPU fused AdamW, else foreach) with a warm-up LambdaLR, Adam (foreach) with torchtitan's
-warm-up/cosine chain (SequentialLR of LinearLR and CosineAnnealingLR), SGD with momentum (plain, the
-for-loop kernel) with StepLR; and the loop's own state (step, torch's RNG state, a data position). 3
-steps on a fixed global batch. Savers with FSDP2 (torch 2.4+) shard every model over 2 gloo ranks
-(``fully_shard`` on each Linear and the root) and save with ``get_state_dict`` + ``dcp.save``; torch
-2.1 (no FSDP2, no ``get_state_dict``) saves the plain state dicts of one process with
-``save_state_dict``. Beside the checkpoint, rank 0 writes the same state with ``torch.save``, full
-tensors and plain state dicts (``expected.pt``), and ``manifest.json``.
+A trainer of tiny MLPs, each with its optimizer and LR scheduler: AdamW (fused where the torch has a CPU
+fused AdamW, else foreach) with a warm-up LambdaLR, Adam (foreach) with torchtitan's warm-up/cosine chain
+(SequentialLR of LinearLR and CosineAnnealingLR), SGD with momentum (plain, the for-loop kernel) with
+StepLR, and where the state is saved with ``get_state_dict`` a second AdamW whose optimizer state is
+flattened as torchtitan keeps it (``flatten_optimizer_state_dict=True``); and the loop's own state (step,
+torch's RNG state, a data position). 3 steps on a fixed global batch. Savers with FSDP2 (torch 2.4+)
+shard every model over 2 gloo ranks (``fully_shard`` on each Linear and the root) and save with
+``get_state_dict`` + ``dcp.save``; torch 2.1 (no FSDP2, no ``get_state_dict``) saves the plain state
+dicts of one process with ``save_state_dict``. Beside the checkpoint, rank 0 writes the same state with
+``torch.save``, full tensors and plain state dicts (``expected.pt``), and ``manifest.json``.
 
-The loader (one process, unsharded: DCP reshards) rebuilds the trainer on its own torch, loads one part
-of the state at a time (model, optimizer, scheduler, trainer) and reports each; then the reference:
-the same trainer loaded from ``expected.pt`` with the loader torch's own ``load_state_dict`` (what that
-torch does with an older state dict), and one more training step of both, compared bit for bit: the
-model, every optimizer state and each scheduler's learning rate.
+The loader rebuilds the trainer on its own torch (one process, DCP resharding; or ranks, FSDP2 as
+saved), loads the whole state with one ``dcp.load`` as a trainer resumes, then gives each part (model,
+optimizer, scheduler, loop) to its ``load_state_dict`` and reports each; then the reference: the same
+trainer loaded from ``expected.pt`` through the loader torch's own ``load_state_dict`` (what that torch
+does with an older state dict), and one more training step of both, compared bit for bit: the model,
+every optimizer state tensor, the param groups and each scheduler's learning rate.
 """
 
 # argv: the output folder. Ranks (RANK/WORLD_SIZE set) where FSDP2 exists, else one process.
@@ -33,7 +35,7 @@ if sharded:
         from torch.distributed.fsdp import fully_shard
     except ImportError:
         from torch.distributed._composable.fsdp import fully_shard
-    from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 rank, world = (dist.get_rank(), dist.get_world_size()) if sharded else (0, 1)
 KINDS
 torch.manual_seed(1)
@@ -43,7 +45,7 @@ def shard(model):
     if sharded:
         fully_shard(model[0]); fully_shard(model[2]); fully_shard(model)
 
-trainer = build(shard)
+trainer = build(shard, ("adamw", "adam", "sgd", "adamw_flat") if sharded else ("adamw", "adam", "sgd"))
 part = slice(rank * 8 // world, (rank + 1) * 8 // world)
 torch.manual_seed(123)
 for step in range(1, 4):
@@ -63,8 +65,8 @@ def full(value):
 state, expected = {"loop": loop}, {"loop": loop}
 for name, (model, opt, sched) in trainer.items():
     if sharded:
-        model_sd, optim_sd = get_state_dict(model, opt)
-        full_model, full_optim = full(model_sd), full(optim_sd)
+        model_sd, optim_sd = get_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=flat(name)))
+        full_model, full_optim = full(model_sd), full(get_state_dict(model, opt)[1])
     else:
         model_sd = full_model = model.state_dict()
         optim_sd = full_optim = opt.state_dict()
@@ -78,7 +80,8 @@ if rank == 0:
     torch.save(expected, os.path.join(out, "expected.pt"))
     with open(os.path.join(out, "manifest.json"), "w") as f:
         json.dump({"torch": torch.__version__.split("+")[0], "ranks": world,
-                   "optimizer_state": "fqn" if sharded else "param-ids", "adamw": ADAMW_IMPL}, f, indent=1)
+                   "optimizer_state": "fqn" if sharded else "param-ids", "adamw": ADAMW_IMPL,
+                   "trainer": list(trainer)}, f, indent=1)
         f.write("\n")
 """
 
@@ -99,20 +102,25 @@ def mlp():
 def make_optimizer(name, model):
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, **{ADAMW_IMPL: True})
+    if name == "adamw_flat":
+        return torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, foreach=True)
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.05, foreach=True)
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=0.01, foreach=False)
 
 def make_scheduler(name, opt):
-    if name == "adamw":
+    if name in ("adamw", "adamw_flat"):
         return L.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     if name == "adam":
         return L.SequentialLR(opt, [L.LinearLR(opt, 0.5, 1.0, 2), L.CosineAnnealingLR(opt, 6)], [2])
     return L.StepLR(opt, 2, 0.5)
 
-def build(shard=lambda model: None):
+def flat(name):  # its optimizer state as torchtitan keeps it: get_state_dict(flatten_optimizer_state_dict=True)
+    return name == "adamw_flat"
+
+def build(shard=lambda model: None, names=("adamw", "adam", "sgd")):
     trainer = {}
-    for name in ("adamw", "adam", "sgd"):
+    for name in names:
         model = mlp()
         shard(model)
         opt = make_optimizer(name, model)
@@ -165,7 +173,8 @@ def requested(objects):
     state = {"loop": {"step": 0, "rng": torch.get_rng_state(), "data": {"epoch": -1, "position": -1}}}
     for name, (model, opt, sched) in objects.items():
         if fqn:
-            state[name] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            options = StateDictOptions(flatten_optimizer_state_dict=flat(name))
+            state[name] = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt, options=options)}
         else:  # param-id optimizer state: a step on zero gradients makes the entries DCP fills
             for p in model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -186,7 +195,8 @@ def apply(objects, state, part):
         elif part == "model":
             set_model_state_dict(model, state[name]["model"]) if fqn else model.load_state_dict(state[name]["model"])
         elif fqn:
-            set_optimizer_state_dict(model, opt, state[name]["optim"])
+            set_optimizer_state_dict(model, opt, state[name]["optim"],
+                                     options=StateDictOptions(flatten_optimizer_state_dict=flat(name)))
         else:
             opt.load_state_dict(state[name]["optim"])
 
@@ -198,7 +208,7 @@ def error(exc):
 
 
 # one dcp.load of the whole trainer state, as a trainer resumes; then each part's load_state_dict
-resumed, parts, loop = build(shard), {}, {}
+resumed, parts, loop = build(shard, manifest["trainer"]), {}, {}
 state = requested(resumed)
 try:
     load(state)
@@ -218,7 +228,7 @@ result = {"torch": torch.__version__.split("+")[0], "saved_by": manifest["torch"
 if all(v == "ok" for v in parts.values()):
     # the reference: the same trainer from torch.save's copy, through this torch's own load_state_dict
     expected = torch.load(os.path.join(folder, "expected.pt"))
-    reference = build(shard)
+    reference = build(shard, manifest["trainer"])
     for name, (model, opt, sched) in reference.items():
         if fqn:  # full tensors, sharded here as the ranks' own
             full = StateDictOptions(full_state_dict=True)

@@ -18,16 +18,18 @@ Torch:         loaders 2.4 and later, 2.15 included (the key-per-entry flattenin
                the value an older state dict gets, measured on the state dicts of every torch of
                the matrix.
 Fix:           where the default load planner's plan fails on missing keys (torch's own check
-               raised), the keys that are such an entry (their path ends as a listed one, their
-               value is no tensor) are left out of the load, in the flattened state dict and in the
-               nested one the caller holds, and the plan is made again: the objects'
-               ``load_state_dict`` then gets the older state dict as the older torch wrote it, and
-               gives each entry the older torch's behaviour as torch itself does for it
-               (``Adam``: ``decoupled_weight_decay=False``, ``AdamW``: True, ``SGD``: not fused, a
-               scheduler's ``_is_initial``: False, as after a step). Where any other key is missing
-               too, a tensor among them, nothing is changed: torch's own error, on every rank. A plan that
-               succeeds is not touched; ``allow_partial_load=True`` loads skip missing keys
-               natively and are not touched either.
+               raised) and each missing key is such an entry (its flattened key ends as a listed
+               path, its value is no tensor), each gets, in the state dict the caller holds, the
+               value torch's own ``load_state_dict`` gives a state dict that lacks it (``older_value``
+               in the data: ``decoupled_weight_decay`` False, as ``Adam`` sets it, and ``AdamW``'s
+               ``__setstate__`` then sets its True; SGD's ``fused`` False; a scheduler's
+               ``_is_initial`` False, as after a step); the entries are left out of the plan, which
+               is made again. Filled rather than left out: the flattened optimizer state dicts of
+               ``get_optimizer_state_dict(flatten_optimizer_state_dict=True)`` (torchtitan's) need
+               every entry of this torch's param groups to unflatten. Where any other key is missing
+               too, a tensor among them, nothing is changed: torch's own error, on every rank. A
+               plan that succeeds is not touched, nor one with ``allow_partial_load=True`` (missing
+               keys skipped natively) or ``flatten_state_dict=False``.
 Upstream:      https://github.com/pytorch/pytorch/issues/146157 (open: "AdamW refactoring broke
                checkpoint reloading with DCP")
 """
@@ -38,71 +40,77 @@ import json
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Pattern, Tuple
 
 from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="dcp-older-state-keys",
-    summary="dcp.load resumes checkpoints an older torch saved: optimizer/scheduler entries a newer torch added are filled as load_state_dict fills them",
+    summary="dcp.load resumes checkpoints an older torch saved: optimizer/scheduler entries a newer torch added get the values load_state_dict gives older state",
     torch=">=2.4",
     upstream="https://github.com/pytorch/pytorch/issues/146157",
     behaviour="dcp.load of an optimizer or LR scheduler state that an older torch saved",
 )
 
 ADDITIONS = json.loads((Path(__file__).parent.parent / "_data" / "state_dict_additions.json").read_text())
-# The end of a flattened key (dot-separated) that is a listed entry: "*" stands for one or more parts, a
-# param group's index ("param_groups.0.fused") or, in the flattened optimizer state dicts of
-# get_optimizer_state_dict(flatten_optimizer_state_dict=True), its parameter's name ("param_groups.w.fused").
-ADDED_KEY = re.compile("|".join(
-    r"(?:^|\.)" + r"\.".join(r"[^.]+(?:\.[^.]+)*" if part == "*" else re.escape(part)
-                               for part in entry["path"].split(".")) + "$"
-    for entry in ADDITIONS["entries"]))
 
 
-def is_added_entry(fqn: str, value: Any) -> bool:
-    """Whether the flattened state-dict entry ``fqn`` is one a newer torch added (a listed path, no tensor)."""
+def _pattern(path: str) -> str:
+    """The regular expression of a flattened key that ends as ``path``: "*" stands for one or more parts,
+    a param group's index ("param_groups.0.fused") or, in the flattened optimizer state dicts of
+    get_optimizer_state_dict(flatten_optimizer_state_dict=True), its parameter's name ("param_groups.w.fused")."""
+    parts = (r"[^.]+(?:\.[^.]+)*" if part == "*" else re.escape(part) for part in path.split("."))
+    return r"(?:^|\.)" + r"\.".join(parts) + "$"
+
+
+# (the end of a flattened key, the value an older state gets) for each listed entry
+ENTRIES: List[Tuple[Pattern[str], Any]] = [(re.compile(_pattern(e["path"])), e["older_value"]) for e in ADDITIONS["entries"]]
+
+
+def older_value(fqn: str, value: Any) -> Tuple[bool, Any]:
+    """Whether the flattened state-dict entry ``fqn`` (no tensor) is one a newer torch added, and the
+    value an older state gets for it."""
     import torch
 
-    return not torch.is_tensor(value) and ADDED_KEY.search(fqn) is not None
+    if not torch.is_tensor(value):
+        for pattern, older in ENTRIES:
+            if pattern.search(fqn):
+                return True, older
+    return False, None
 
 
-def _drop(planner: Any, fqns: List[str]) -> None:
-    """Leave ``fqns`` out of the planner's state dict and, where it flattened it, the caller's nested one."""
-    mappings: Dict[str, Tuple[Any, ...]] = getattr(planner, "mappings", None) or {}
-    for fqn in fqns:
-        path = mappings.get(fqn) if getattr(planner, "flatten_state_dict", False) else None
-        if path:
-            parent = planner.original_state_dict
-            for key in path[:-1]:
-                parent = parent[key]
-            del parent[path[-1]]
-            mappings.pop(fqn)
+def _fill(planner: Any, missing: Dict[str, Any]) -> None:
+    """Give each of ``missing`` its older value in the caller's state dict and leave it out of the plan."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    for fqn, value in missing.items():
+        set_element(planner.original_state_dict, planner.mappings.pop(fqn), value)
         planner.state_dict.pop(fqn)
 
 
-def _only_added_entries_missing(planner: Any) -> List[str]:
-    """The keys the checkpoint lacks, where each is an entry a newer torch added; else none."""
+def _only_added_entries_missing(planner: Any) -> Dict[str, Any]:
+    """The keys the checkpoint lacks with their older values, where each is an entry a newer torch added;
+    else none."""
     saved = planner.metadata.state_dict_metadata
-    missing = {fqn: value for fqn, value in planner.state_dict.items() if fqn not in saved}
-    return list(missing) if all(is_added_entry(fqn, value) for fqn, value in missing.items()) else []
+    missing = {fqn: older_value(fqn, value) for fqn, value in planner.state_dict.items() if fqn not in saved}
+    return {fqn: value for fqn, (added, value) in missing.items()} if all(a for a, _ in missing.values()) else {}
 
 
-def _plan_without_added_entries(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+def _plan_with_older_values(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
     try:
         return wrapped(*args, **kwargs)
     except RuntimeError as exc:
-        if "Missing key in checkpoint state_dict" not in str(exc):
+        if "Missing key in checkpoint state_dict" not in str(exc) or not getattr(instance, "flatten_state_dict", False):
             raise
         # the state dict the plan was made from (after any re-flattening for a checkpoint of torch < 2.4)
         missing = _only_added_entries_missing(instance)
         if not missing:
             raise  # another key is missing too: torch's own error, nothing changed
-    _drop(instance, missing)
+    _fill(instance, missing)
     return wrapped(*args, **kwargs)
 
 
 @PATCH.on_import("torch.distributed.checkpoint.default_planner")
-def leave_added_entries_to_load_state_dict(patcher: Patcher, planner: ModuleType) -> bool:
-    patcher.wrap(planner.DefaultLoadPlanner, "create_local_plan", _plan_without_added_entries)
+def fill_added_entries(patcher: Patcher, planner: ModuleType) -> bool:
+    patcher.wrap(planner.DefaultLoadPlanner, "create_local_plan", _plan_with_older_values)
     return True
