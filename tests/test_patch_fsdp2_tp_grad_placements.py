@@ -70,8 +70,10 @@ out = {"rel": {}, "shards": {}}
 expected_of = dict(ref.named_parameters())
 for name, param in model.named_parameters():
     grad, expected = param.grad, expected_of[name].grad
-    coordinate = grad.device_mesh.get_coordinate()
-    for dim in reversed(range(grad.device_mesh.ndim)):  # TP shards first, FSDP shards TP's shard
+    coordinate, names = grad.device_mesh.get_coordinate(), grad.device_mesh.mesh_dim_names
+    # TP shards first, FSDP shards TP's shard (however the mesh orders its dims: fsdp2-2d-state-dict labels
+    # these parameters on the (tp, dp) mesh on torch 2.4)
+    for dim in sorted(range(grad.device_mesh.ndim), key=lambda d: names[d] != "tp"):
         shard_dim = getattr(grad.placements[dim], "dim", None)  # Shard, and torch 2.5+'s _StridedShard
         if shard_dim is not None:
             expected = torch.chunk(expected, grad.device_mesh.size(dim), dim=shard_dim)[coordinate[dim]]
