@@ -3,10 +3,11 @@
 A small float64 LM whose token and position embeddings are TP'd as torchtitan's are
 (``RowwiseParallel(input_layouts=Replicate())``: a ``Shard(0)`` weight whose gradient autograd hands back
 ``Replicate()`` on torch 2.4), beside a colwise and a rowwise linear (gradients placed as their weights)
-and a layer norm FSDP shards alone, with ``fully_shard`` over the data-parallel dim. Every rank's
-gradient shard of every parameter is compared with the slice of the gradient one process computes over
-the global batch (the TP shard of that gradient, then its FSDP shard), in the same run; the weights are
-deterministic (no RNG), so torch 2.15.0 natively computes the same shards (compared too).
+and a layer norm FSDP shards alone, with ``fully_shard`` over the data-parallel dim (10 vocabulary rows
+and 6 positions: uneven shards). Every rank's gradient shard of every parameter is compared with the
+slice of the gradient one process computes over the global batch (the TP shard of that gradient, then
+its FSDP shard), in the same run; the weights are deterministic (no RNG), so torch 2.15.0 natively
+computes the same shards (compared too).
 
 On torch 2.4 with the patch switched off (``TORCHPATCH=1``: torch 2.4's FSDP2 needs ``fsdp2-cpu`` on
 a CPU, so "natively" means the rest of the catalogue on) the two embeddings' gradient shards hold
@@ -36,7 +37,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-V, S, D, B = 16, 4, 8, 4
+V, S, D, B = 10, 6, 8, 4  # 10 and 6 rows: TP 5 and 3, then FSDP 3 + 2 and 2 + 1 (uneven)
 
 class LM(nn.Module):
     def __init__(self):
