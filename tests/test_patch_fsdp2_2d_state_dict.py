@@ -12,8 +12,9 @@ checkpoint 2.4 saved into the plain model bitwise (the offsets DCP recorded are 
 On torch >= 2.5 (no patch) the same checks pass natively with even shards; torch 2.9.0's ``full_tensor()``
 of an unevenly sharded 2-D parameter is wrong (measured; 2.15.0's is right), not served here.
 
-Natively (TORCHPATCH=1 with the patch off: torch 2.4's FSDP2 needs the catalogue on a CPU) the state dict
-raises ``NotImplementedError: 2D state_dict is under development``.
+Natively (TORCHPATCH=1 with the patch off: torch 2.4's FSDP2 needs the catalogue on a CPU) ``full_tensor()``
+returns wrong rows, silently, and the state dict raises ``NotImplementedError: 2D state_dict is under
+development``.
 """
 
 from conftest import clean_env, gathered_tail, only_torch, ranks_result, run_newest_torch_json, where_patch_applies
@@ -142,8 +143,11 @@ def _ranks(tmp_path, **env):
 
 
 @where_patch_applies(PATCH_ID)
-def test_native_refuses_the_2d_state_dict(tmp_path):
+def test_native_full_tensor_wrong_and_state_dict_refused(tmp_path):
+    """Torch 2.4 natively: ``full_tensor()`` of a 2-D parameter silently returns other rows than the
+    parameter's (the label's order, not the layout's), and the state dict raises."""
     ranks = _ranks(tmp_path, **{ENV_OFF: "0"})
+    assert all(r["full_tensor"] is False for r in ranks), ranks
     assert all("2D state_dict is under development" in r.get("error", "") for r in ranks), ranks
     assert ranks[0]["status"] != "applied"
 

@@ -1,5 +1,5 @@
-"""fsdp2-2d-state-dict: the state dict of parameters sharded by FSDP2 and tensor parallelism (FSDP over
-a 2-D mesh), torch 2.4.
+"""fsdp2-2d-state-dict: the state dict (and ``full_tensor()``) of parameters sharded by FSDP2 and tensor
+parallelism (FSDP over a 2-D mesh), torch 2.4.
 
 What breaks:   ``model.state_dict()``, ``model.load_state_dict()`` and everything built on them
                (``torch.distributed.checkpoint.state_dict.get_model_state_dict``, DCP save and load,
@@ -10,8 +10,9 @@ What breaks:   ``model.state_dict()``, ``model.load_state_dict()`` and everythin
                tensor parallelism sharded it. Behind the error: torch 2.4's FSDP2 labels such a
                parameter ``(Shard(0), <TP placement>)`` on the (dp, tp) mesh, which says "dp shards
                dim 0 first, then tp shards each part", while FSDP2 stores the reverse (dp's chunk of
-               TP's shard): for a TP ``Shard(0)`` weight, ``full_tensor()`` returns the rows in the
-               wrong order and DCP would save and load each shard at another rank's offsets. Torch
+               TP's shard): for a TP ``Shard(0)`` weight, ``full_tensor()`` (and any redistribution)
+               silently returns the rows in the wrong order, and DCP would save and load each shard
+               at another rank's offsets. Torch
                2.5 labels them ``_StridedShard``, a placement 2.4's sharding propagation and
                redistribution lack.
 Torch:         2.4 (read in 2.4.1's ``_composable/fsdp``); 2.5 supports the 2-D state dict.
@@ -27,7 +28,9 @@ Fix:           without a new placement: the same layout is plain nested sharding
                torch >= 2.5: such a parameter's ``device_mesh`` is the (tp, dp) mesh (2.5: (dp, tp)
                with ``_StridedShard``); HSDP + TP, which 2.4's FSDP2 refuses, stays refused.
 Upstream:      https://github.com/pytorch/pytorch/issues/129627 (the 2-D state dict);
-               https://github.com/pytorch/pytorch/pull/126697 (``_StridedShard``)
+               https://github.com/pytorch/pytorch/pull/130760 (FSDP2 labels them ``_StridedShard`` "for
+               correct full_tensor() result"), https://github.com/pytorch/pytorch/pull/126697 (the
+               placement)
 """
 
 from typing import Any, Dict, Tuple
@@ -39,7 +42,8 @@ PATCH = Patch(
     summary="FSDP2 + TP state dict (and DCP) on torch 2.4: 2-D parameters labelled with the layout FSDP2 stores",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/issues/129627",
-    behaviour="state_dict / DCP of a model sharded with fully_shard over a 2-D mesh with tensor parallelism",
+    behaviour="state_dict / DCP / full_tensor of parameters sharded with fully_shard over a 2-D mesh with tensor parallelism",
+    category="correctness",  # full_tensor() and redistribution of such a parameter read its rows in the wrong order
 )
 
 _MARK = "_torchpatch_2d_spec"  # on an FSDPParam whose sharded spec this patch relabelled
