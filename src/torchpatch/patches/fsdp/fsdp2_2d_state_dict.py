@@ -12,9 +12,8 @@ What breaks:   ``model.state_dict()``, ``model.load_state_dict()`` and everythin
                dim 0 first, then tp shards each part", while FSDP2 stores the reverse (dp's chunk of
                TP's shard): for a TP ``Shard(0)`` weight, ``full_tensor()`` (and any redistribution)
                silently returns the rows in the wrong order, and DCP would save and load each shard
-               at another rank's offsets. Torch
-               2.5 labels them ``_StridedShard``, a placement 2.4's sharding propagation and
-               redistribution lack.
+               at another rank's offsets. Torch 2.5 labels them ``_StridedShard``, a placement 2.4's
+               sharding propagation and redistribution lack.
 Torch:         2.4 (read in 2.4.1's ``_composable/fsdp``); 2.5 supports the 2-D state dict.
 Fix:           without a new placement: the same layout is plain nested sharding on the mesh with its
                dims in the other order. For FSDP (not HSDP) over a TP'd parameter, the sharded
@@ -47,7 +46,7 @@ PATCH = Patch(
 )
 
 _MARK = "_torchpatch_2d_spec"  # on an FSDPParam whose sharded spec this patch relabelled
-_SWAPPED: Dict[int, Any] = {}  # id of a (dp, tp) mesh -> its (tp, dp) mesh
+_SWAPPED: Dict[int, Tuple[Any, Any]] = {}  # id of a (dp, tp) mesh -> (that mesh, its (tp, dp) mesh)
 
 
 def _swapped(mesh: Any) -> Any:
