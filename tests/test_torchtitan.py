@@ -11,9 +11,9 @@ The releases are installed by the nox matrix sessions of torch >= 2.4 (``pip ins
 made by ``tools/torchtitan_table.py`` (docs/torchtitan.md); CI runs the subset in ``TRAIN``, against one
 process on the same torch and, for 0.1.0, the recorded run of 2.15.0 natively (``NEWEST_NATIVE``): a
 subset that exercises the patches each release needs where they apply (named beside each entry, and in
-docs/torchtitan.md): 0.1.0 on torch 2.4 and 2.9 (FSDP+TP+SAC on 4 ranks: from the seed checkpoint on 2.9,
-without checkpointing on 2.4, ``TRAIN_FROM_SCRATCH``), 0.2.2 and 0.3.0 on 2.9 and on 2.13 (with the
-Triton that 2.13's CUDA builds bring).
+docs/torchtitan.md): 0.1.0 on torch 2.4 and 2.9 (FSDP+TP+SAC on 4 ranks: from the seed checkpoint, with
+DCP save + resume on 2.4 (``RESUME``); on 2.9 also without checkpointing, ``TRAIN_FROM_SCRATCH``),
+0.2.2 and 0.3.0 on 2.9 and on 2.13 (with the Triton that 2.13's CUDA builds bring).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release inst
 # (release, torch specifier) -> the parallelisms CI trains there; one process on the same torch over the
 # same global batch is the reference.
 TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp", "tp"),
+    # fsdp+tp+sac on 4 ranks: the 2-D state dict (fsdp2-2d-state-dict), the embedding's gradient
+    # (fsdp2-tp-grad-placements: without it the first gradient norm is 0.14% above one process's)
+    ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp", "tp", "fsdp+tp+sac"),
     # clip_grad_norm_ of partial gradients (dtensor-inplace-placement-change); FSDP+TP+SAC on 4 ranks;
     # PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
     ("0.1.0", "==2.9.*"): ("tp", "fsdp+tp+sac", "pp"),
@@ -85,21 +87,16 @@ NEWEST_NATIVE_OF: Dict[Tuple[str, str], table.Run] = {
         "1c34dc8301f7621f03596fe540730dd74d7b8dbe52eb82768df9ec869f6de0d1", ""),
 }
 # (release, torch specifier) -> the parallelisms CI trains there from torchtitan's own seeded
-# initialisation with checkpointing off (what a user training without checkpoints runs), where the seed
-# checkpoint cannot be loaded: torch 2.4's FSDP2 refuses the state dict of parameters sharded by both
-# FSDP and TP (pytorch#129627), and torchtitan's checkpointer takes the model's state dict when it is
-# built. On CPU each rank draws its shards from the same seed (DTensor's RNG tracker serves CUDA only),
-# so one process starts elsewhere; the reference is the same run on torch 2.9.0 with TORCHPATCH=1,
-# recorded in FROM_SCRATCH, which the 2.9.0 session runs again (there the same configuration from the
-# seed checkpoint equals one process and 2.15.0's native run). 2.15.0 initialises other weights (its own
-# run from scratch starts elsewhere), so it cannot be the reference.
-# On 2.4.1 the run starts from bitwise 2.9.0's weights and its first loss is 2.9.0's, but its gradient differs
-# (with a batch of 8 x 64 tokens: first gradient norm 0.14% larger, losses 2.8e-5 apart at step 8):
-# a wrong gradient this harness sees (4 steps with clipping at 1 hid it), not yet traced; strict xfail
-# until it is served.
-WRONG_ON_2_4 = pytest.mark.xfail(strict=True, reason="0.1.0's FSDP+TP+SAC on 2.4.1: its gradient differs from 2.9.0's")
+# initialisation with checkpointing off (what a user training without checkpoints runs). On CPU each rank
+# draws its shards from the same seed (DTensor's RNG tracker serves CUDA only), so one process starts
+# elsewhere; the reference is the same run on torch 2.9.0 with TORCHPATCH=1, recorded in FROM_SCRATCH,
+# which the 2.9.0 session runs again (there the same configuration from the seed checkpoint equals one
+# process and 2.15.0's native run). 2.15.0 initialises other weights (its own run from scratch starts
+# elsewhere), so it cannot be the reference. Torch 2.4.1 trained it here until it could load the seed
+# checkpoint (fsdp2-2d-state-dict): its first gradient norm was 0.14% above 2.9.0's, all of it the
+# embedding's (fsdp2-tp-grad-placements); with both patches it equals this record (1.1e-7), and its
+# fsdp+tp+sac from the seed checkpoint (TRAIN) sees the same wrong gradient without the second.
 TRAIN_FROM_SCRATCH: Dict[Tuple[str, str], Tuple[str, ...]] = {
-    ("0.1.0", ">=2.4,<2.5"): ("fsdp+tp+sac",),
     ("0.1.0", "==2.9.*"): ("fsdp+tp+sac",),  # the recorded reference, still what 2.9.0 computes
 }
 FROM_SCRATCH: Dict[Tuple[str, str], table.Run] = {
@@ -241,8 +238,7 @@ def test_sees_a_wrong_gradient(seeds):
 
 
 @pytest.mark.parametrize("release, parallel", [
-    pytest.param(release, parallel, marks=[WRONG_ON_2_4] if torch_matches("<2.5") else [])
-    for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
+    (release, parallel) for (release, spec), parallels in TRAIN_FROM_SCRATCH.items() for parallel in parallels
     if torch_matches(spec)] or [pytest.param("-", "-", marks=pytest.mark.skip(
         reason=f"no training run without a checkpoint is recorded for torch {TORCH}"))])
 def test_trains_without_checkpoint(release, parallel):
@@ -258,13 +254,23 @@ def test_trains_without_checkpoint(release, parallel):
     assert run.losses[-1] < run.losses[0] - 1.0, f"the loss should fall over {STEPS} steps: {run.losses}"
 
 
-@pytest.mark.parametrize("release", sorted({r for (r, spec), p in TRAIN.items() if torch_matches(spec) and "fsdp" in p})
-                         or ["-"])
-def test_dcp_save_and_resume(release, tmp_path):
-    """FSDP: save a DCP checkpoint at step 2 of 4, resume from it: steps 3 and 4 repeat the first run's."""
+# (release, torch specifier) -> parallelisms besides FSDP whose DCP save + resume CI runs there: 0.1.0's
+# FSDP+TP+SAC on 2.4 (the 2-D state dict, fsdp2-2d-state-dict; 2.5 has it natively)
+RESUME: Dict[Tuple[str, str], Tuple[str, ...]] = {("0.1.0", ">=2.4,<2.5"): ("fsdp+tp+sac",)}
+
+
+def _resume_cases() -> List[Tuple[str, str]]:
+    fsdp = sorted({(r, "fsdp") for (r, spec), p in TRAIN.items() if torch_matches(spec) and "fsdp" in p})
+    return fsdp + [(r, p) for (r, spec), parallels in RESUME.items() if torch_matches(spec) for p in parallels]
+
+
+@pytest.mark.parametrize("release, parallel", _resume_cases() or [("-", "fsdp")])
+def test_dcp_save_and_resume(release, parallel, tmp_path):
+    """Save a DCP checkpoint at step 2 of 4, resume from it: steps 3 and 4 repeat the first run's."""
     if release not in RELEASES:
         pytest.skip(f"no torchtitan release trains on torch {TORCH} here")
-    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), DCP_STEPS, True)
+    outcome = table.dcp_resume(sys.executable, RELEASES[release], str(tmp_path / "ckpt"), DCP_STEPS, True,
+                               parallel=parallel)
     assert not outcome["error"], outcome
     assert len(outcome["losses"]) == DCP_STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome
 

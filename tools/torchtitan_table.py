@@ -125,18 +125,18 @@ def compare(run: Run, reference: Run, first: int = 0) -> Optional[float]:
 
 
 def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatch: bool,
-               resume_python: str = "", save_torchpatch: Optional[bool] = None) -> dict:
-    """FSDP for ``steps`` steps saving a DCP checkpoint at step 2, then a second run resuming from that
-    checkpoint (on ``resume_python``'s torch where given: DCP across versions): its steps 3.. must
+               resume_python: str = "", save_torchpatch: Optional[bool] = None, parallel: str = "fsdp") -> dict:
+    """``parallel`` (FSDP by default) for ``steps`` steps saving a DCP checkpoint at step 2, then a second
+    run resuming from that checkpoint (on ``resume_python``'s torch where given: DCP across versions): its steps 3.. must
     repeat the first run's (losses and gradient norms). The first run (TORCHPATCH=1 where
     ``save_torchpatch``, default ``torchpatch``) starts from torchtitan's own seeded initialisation on its
     torch, not a seed checkpoint: the second is compared with that run itself, whatever its weights."""
-    common = ["--parallel", "fsdp", "--steps", str(steps), "--checkpoint-dir", folder]
+    common = ["--parallel", parallel, "--steps", str(steps), "--checkpoint-dir", folder]
     saving = torchpatch if save_torchpatch is None else save_torchpatch
-    whole = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], 2, saving)
+    whole = run_example(python, release_dir, [*common, "--checkpoint-interval", "2"], RANKS[parallel], saving)
     if whole.error:
         return {"error": whole.error, "losses": whole.losses, "vs_uninterrupted": None}
-    rest = run_example(resume_python or python, release_dir, [*common, "--load-step", "2"], 2, torchpatch)
+    rest = run_example(resume_python or python, release_dir, [*common, "--load-step", "2"], RANKS[parallel], torchpatch)
     return {"error": rest.error, "losses": whole.losses[:2] + rest.losses, "vs_uninterrupted": compare(rest, whole, 2)}
 
 

@@ -46,7 +46,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="dcp-older-state-keys",
-    summary="dcp.load resumes checkpoints an older torch saved: optimizer/scheduler entries a newer torch added get the values load_state_dict gives older state",
+    summary="dcp.load resumes checkpoints an older torch saved: optimizer/scheduler entries a newer torch added "
+            "get the values load_state_dict gives an older state",
     torch=">=2.4",
     upstream="https://github.com/pytorch/pytorch/issues/146157",
     behaviour="dcp.load of an optimizer or LR scheduler state that an older torch saved",
@@ -64,7 +65,8 @@ def _pattern(path: str) -> str:
 
 
 # (the end of a flattened key, the value an older state gets) for each listed entry
-ENTRIES: List[Tuple[Pattern[str], Any]] = [(re.compile(_pattern(e["path"])), e["older_value"]) for e in ADDITIONS["entries"]]
+ENTRIES: List[Tuple[Pattern[str], Any]] = [(re.compile(_pattern(entry["path"])), entry["older_value"])
+                                           for entry in ADDITIONS["entries"]]
 
 
 def older_value(fqn: str, value: Any) -> Tuple[bool, Any]:
@@ -93,7 +95,9 @@ def _only_added_entries_missing(planner: Any) -> Dict[str, Any]:
     else none."""
     saved = planner.metadata.state_dict_metadata
     missing = {fqn: older_value(fqn, value) for fqn, value in planner.state_dict.items() if fqn not in saved}
-    return {fqn: value for fqn, (added, value) in missing.items()} if all(a for a, _ in missing.values()) else {}
+    if not all(added for added, _ in missing.values()):
+        return {}
+    return {fqn: value for fqn, (_, value) in missing.items()}
 
 
 def _plan_with_older_values(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
