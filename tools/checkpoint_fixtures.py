@@ -89,13 +89,17 @@ def resume(python: str, fixture: Path, torchpatch: bool) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _short(error: str, limit: int = 110) -> str:
+    return error if len(error) <= limit else error[:limit].rsplit(" ", 1)[0] + " ..."
+
+
 def verdict(result: dict) -> str:
-    """One table cell: every part and the step equal, or what failed."""
+    """One table cell: every part and the step equal, or what failed (the error's first 110 characters)."""
     if "error" in result:
-        return f"fails: `{result['error']}`"
+        return f"fails: `{_short(result['error'])}`"
     failed = {part: why for part, why in result["parts"].items() if why != "ok"}
     if failed:
-        return "; ".join(f"{PARTS[part]} fails: `{why}`" for part, why in failed.items())
+        return "; ".join(f"{PARTS[part]} fails: `{_short(why)}`" for part, why in failed.items())
     differs = {what: how for what, how in result["step"].items() if how != "same"}
     return "resumes, next step equal" if not differs else "resumes, step DIFFERS: " + ", ".join(sorted(differs))
 
