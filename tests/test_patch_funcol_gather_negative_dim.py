@@ -8,9 +8,12 @@ TORCHPATCH=1 every case is right. torch 2.9 (no view path) and 2.15 (fixed) are 
 themselves and the patch is not applied.
 """
 
+import signal
+
 import pytest
 
-from conftest import LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, ranks_result, through_patch_range, torch_matches
+from conftest import (LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, rank_result, ranks_result, run_ranks,
+                      through_patch_range, torch_matches)
 
 SCRIPT = """
 import datetime, json, torch, torch.distributed as dist
@@ -41,10 +44,23 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
+def native_result(env: dict, tmp_path) -> list:
+    """The ranks' results of the native (wrong) gathers. That path is not memory-safe: a rank now and then
+    dies of SIGSEGV (2 runs in 40 here, 2026-11-28, torch 2.13.0 with the patch switched off; the cause is
+    not traced, and the patched path never crashed): a run that SIGSEGV ended is run again, at most 3 times,
+    and what the gathers compute is asserted on the first run that completes."""
+    for _ in range(3):
+        proc = run_ranks(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
+        if proc.returncode not in (signal.SIGSEGV, signal.SIGTERM):  # (the launcher ends the other rank)
+            break
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return rank_result(proc)
+
+
 @only_torch(">=2.13,<2.15", "the view path of _maybe_view_chunk_cat mishandles negative dims")
 @pytest.mark.parametrize("env", [{}, {"TORCHPATCH": "1", "TORCHPATCH_FUNCOL_GATHER_NEGATIVE_DIM": "0"}], ids=["unset", "opted-out"])
 def test_native_gather_is_wrong(env, tmp_path):
-    for out in ranks_result(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180):
+    for out in native_result(env, tmp_path):
         assert out.pop("status") is None
         assert out["(1, 2, 3, 4)/-2"] is False, out  # silently wrong values
         assert str(out["(1, 2, 3, 4)/-1"]).startswith("error: shape"), out
