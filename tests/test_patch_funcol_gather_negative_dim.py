@@ -45,10 +45,10 @@ if rank == 0:
 
 
 def native_result(env: dict, tmp_path) -> list:
-    """The ranks' results of the native (wrong) gathers. That path is not memory-safe: a rank now and then
-    dies of SIGSEGV (2 runs in 40 here, 2026-11-28, torch 2.13.0 with the patch switched off; the cause is
-    not traced, and the patched path never crashed): a run that SIGSEGV ended is run again, at most 3 times,
-    and what the gathers compute is asserted on the first run that completes."""
+    """The ranks' results of the native (wrong) gathers. That path is not memory-safe: a rank now and
+    then dies of SIGSEGV (1 run in 40 here and one in CI, 2026-11-28, torch 2.13.0 with the patch
+    switched off; the cause is not traced): a run that SIGSEGV ended is run again, at most 3 times, and
+    what the gathers compute is asserted on the first run that completes."""
     for _ in range(3):
         proc = run_ranks(SCRIPT, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
         if proc.returncode not in (signal.SIGSEGV, signal.SIGTERM):  # (the launcher ends the other rank)
