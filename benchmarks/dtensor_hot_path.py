@@ -164,6 +164,7 @@ def _worker(config: Dict[str, Any]) -> None:
         import torchpatch  # importing it installs nothing: did TORCHPATCH (or its absence) hold?
 
         result["active"] = torchpatch.is_installed()
+        result["failed"] = sorted(k for k, v in torchpatch.status().items() if v == "failed")
         print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # gloo's teardown can hang on some torches: leave deterministically
 
@@ -302,6 +303,8 @@ def _job(python: str, env_side: Dict[str, str], args: argparse.Namespace, count_
     if result["active"] != wanted:
         raise RuntimeError(f"torchpatch was {'not ' if wanted else ''}active in a job with TORCHPATCH="
                            f"{env_side.get('TORCHPATCH', '(unset)')}: is it installed in --python, or use --src")
+    if result["failed"]:  # a patch that failed was taken back: the measure would not be torchpatch's cost
+        raise RuntimeError(f"patches failed to apply: {', '.join(result['failed'])} (run with TORCHPATCH_LOG=warning)")
     return result
 
 
@@ -355,6 +358,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         args.ranks = 8 if args.three_d else 1 if args.device == "cuda" else 2
     args.measures = ["hsdp_tp_step"] if args.three_d else list(OPS + STEPS if args.ranks == 1 else OPS + STEPS[:2])
     args.src = args.src or not _has_startup_hook(args.python)
+    if args.src:  # torchpatch's own dependencies, which an installed wheel would have brought
+        missing = subprocess.run([args.python, "-c", "import wrapt, packaging"], capture_output=True, text=True)
+        if missing.returncode:
+            parser.error(f"--python lacks torchpatch's dependencies (pip install wrapt packaging): {missing.stderr[-200:]}")
 
     version = _version(args.python)
     on = {"TORCHPATCH": "1", **dict(item.split("=", 1) for item in args.on_env)}
