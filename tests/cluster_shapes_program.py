@@ -29,7 +29,7 @@ PROGRAM = r"""
 import datetime, json, os, torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 CKPT, RESULT = CKPT_AND_RESULT

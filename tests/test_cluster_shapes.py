@@ -15,9 +15,13 @@ cannot do two parts even with every patch, and the job asserts its errors:
 - HSDP + TP: 2.4.1's ``FSDPParam._init_sharding_spec`` (``_composable/fsdp/_fsdp_param.py``) raises
   ``NotImplementedError: Using TP with HSDP is not supported`` for a DTensor (TP) parameter whenever the
   FSDP mesh has a replicate dim; its sharding spec is hard-coded ``(Shard(0), tp_placement)`` on the 2-D
-  (dp, tp) mesh (2.5 added the 3-D spec).
+  (dp, tp) mesh (2.9 has the 3-D spec).
 - ``_unflatten``: 2.4's DeviceMesh has none (added in 2.10; device-mesh-unflatten serves it on 2.9 only):
   ``AttributeError: 'DeviceMesh' object has no attribute '_unflatten'``.
+
+The comparison sees silent faults: on 2.4 with fsdp2-2d-state-dict switched off
+(``TORCHPATCH_FSDP2_2D_STATE_DICT=0``) the colwise stage's gradients and weights come out of
+``full_tensor()`` with TP's and FSDP's rows interleaved wrongly (largest difference 9.8), and the job fails.
 """
 
 import itertools
@@ -34,7 +38,9 @@ SHAPE = (2, 2, 2)
 WORLD = 8
 NAMES_A = ("dp_replicate", "dp_shard", "tp")
 NAMES_B = ("pp", "dp", "tp")
-TORCH_24 = torch_matches("<2.5")
+# 2.4.1 refuses HSDP + TP, 2.9.0 trains it; 2.5-2.8 (no matrix session) are not pinned down here
+HSDP_TP_REFUSED = torch_matches("<2.9")
+NO_UNFLATTEN = torch_matches("<2.9")  # 2.10 added _unflatten, device-mesh-unflatten serves 2.9
 
 
 def coordinate(rank: int) -> Tuple[int, ...]:
@@ -88,12 +94,12 @@ def test_cluster_shapes(tmp_path) -> None:
     for rank, out in enumerate(ranks):
         for name, (spans, names) in MESHES.items():
             assert out["meshes"][name] == expected(rank, spans, names), (rank, name)
-        if TORCH_24:
+        if NO_UNFLATTEN:
             assert out["unflatten"] == {"error": "AttributeError: 'DeviceMesh' object has no attribute '_unflatten'"}
         else:
             assert out["unflatten"] == {name: expected(rank, *UNFLATTENED[name]) for name in UNFLATTENED}, rank
 
-        if TORCH_24:
+        if HSDP_TP_REFUSED:
             assert out["shape_a"] == {"error": "NotImplementedError: Using TP with HSDP is not supported"}
         else:
             assert out["shape_a"]["grads"] == dict.fromkeys(PARAMS, True), (rank, out["shape_a"])
@@ -107,6 +113,7 @@ def test_cluster_shapes(tmp_path) -> None:
             assert loaded == {"placements": True, "equal": True}, (rank, placements)
 
 
+@pytest.mark.torch_independent
 def test_layout_helper() -> None:
     """The expected layout itself: rank 5 = (1, 0, 1) on the 2 x 2 x 2 mesh."""
     assert coordinate(5) == (1, 0, 1)
