@@ -53,7 +53,8 @@ def _shard_mesh_info(mesh_info: Any) -> Any:
     mesh = mesh_info.mesh
     if mesh.mesh_dim_names is None:
         raise AssertionError("FSDP requires named DeviceMesh dims for ND parallelism (HSDP + TP)")
-    root = _mesh_resources.get_parent_mesh(mesh) or mesh
+    root = _mesh_resources.get_parent_mesh(mesh)
+    root = mesh if root is None else root  # then torch's parent check refuses: TP's mesh is not this one's
     info = FSDPMeshInfo(root[mesh.mesh_dim_names[mesh_info.shard_mesh_dim]], shard_mesh_dim=0)
     if (info.shard_mesh_rank, info.shard_mesh_size) != (mesh_info.shard_mesh_rank, mesh_info.shard_mesh_size):
         raise AssertionError(f"HSDP + TP: the shard dim sliced from the root mesh ({info.shard_mesh_rank} of "
