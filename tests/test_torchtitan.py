@@ -12,8 +12,8 @@ made by ``tools/torchtitan_table.py`` (docs/torchtitan.md); CI runs the subset i
 process on the same torch and, for 0.1.0, the recorded run of 2.15.0 natively (``NEWEST_NATIVE``): a
 subset that exercises the patches each release needs where they apply (named beside each entry, and in
 docs/torchtitan.md): 0.1.0 on torch 2.4 and 2.9 (FSDP+TP+SAC on 4 ranks: from the seed checkpoint, with
-DCP save + resume on 2.4 (``RESUME``: the training run saves, a second run resumes); on 2.9 also without checkpointing, ``TRAIN_FROM_SCRATCH``),
-0.2.2 and 0.3.0 on 2.9 and on 2.13 (with the Triton that 2.13's CUDA builds bring).
+DCP save + resume on 2.4 (``RESUME``: the training run saves, a second run resumes); on 2.9 also without
+checkpointing, ``TRAIN_FROM_SCRATCH``), 0.2.2 and 0.3.0 on 2.9 and on 2.13 (with the Triton that 2.13's CUDA builds bring).
 """
 
 from __future__ import annotations
@@ -206,7 +206,8 @@ def _train_cases() -> List[Tuple[str, str]]:
 _TRAINED: Dict[Tuple[str, str], Tuple[table.Run, str]] = {}  # (release, parallel) -> its run, its checkpoints
 
 
-def _trained(seeds: Dict[str, str], release: str, parallel: str, folders: pytest.TempPathFactory) -> Tuple[table.Run, str]:
+def _trained(seeds: Dict[str, str], release: str, parallel: str,
+             folders: pytest.TempPathFactory) -> Tuple[table.Run, str]:
     """``parallel``'s STEPS steps from the release's seed checkpoint, once per session; where
     test_dcp_save_and_resume resumes it (``_resume_cases``), saving a DCP checkpoint every 2 steps into the
     folder returned: the resumed run repeats this one, which is then not run a second time to save."""
