@@ -77,15 +77,18 @@ def _cast(state: Any, dtype: Any, tree: Any) -> Any:
     return _apply_to_tensors(functools.partial(cast_fp_tensor, dtype), tree)
 
 
-def _group_forward_hooks(state_module: ModuleType) -> Callable[..., Any]:
+def _group_forward_hooks(state_module: ModuleType, wrap_states: Callable[[], None]) -> Callable[..., Any]:
     """torch 2.13's ``_register_group_forward_hooks``: the pre-hook on every module, the post-hook
-    when the module completes the pass (the others only cast the output)."""
+    when the module completes the pass (the others only cast the output). FSDP2 calls it only for a
+    grouped ``fully_shard`` (several modules); the first call runs ``wrap_states``."""
     disable = getattr(state_module, "disable_if_config_true", None) or (lambda fn: fn)
 
     def register(modules: Any, pre_hook: Callable[..., Any], post_hook: Callable[..., Any],
                  modules_to_run: Set[Any], *_more: Any) -> Any:
+        wrap_states()
         everyone = set(modules)
-        state = pre_hook.__self__
+        state = pre_hook.__self__  # its hooks as now wrapped (FSDP2 bound them before this call)
+        pre_hook, post_hook = getattr(state, pre_hook.__name__), getattr(state, post_hook.__name__)
 
         @disable
         @functools.wraps(pre_hook)
@@ -166,11 +169,23 @@ def _patch_fsdp2(patcher: Patcher, state_module: ModuleType) -> bool:
     state_class = state_module.FSDPState
     if hasattr(state_class, "_force_complete_incomplete_states"):
         return False  # torch >= 2.13 supports the partial pass
-    patcher.setattr(state_module, "_register_group_forward_hooks", _group_forward_hooks(state_module))
-    patcher.wrap(state_class, "_pre_forward", _pre_forward)
-    patcher.wrap(state_class, "_post_forward", _post_forward)
-    patcher.wrap(state_class, "_root_post_backward_final_callback", _final_callback)
-    patcher.wrap(state_module.FSDPParamGroup, "pre_forward", _group_pre_forward)
+    wrapped: List[bool] = []
+
+    def wrap_states() -> None:
+        """FSDPState's and FSDPParamGroup's per-step methods wrapped, once, when the first grouped
+        ``fully_shard`` is made (through this hook's patcher, which the engine keeps for changes made
+        later: undone with the patch): a model of single-module ``fully_shard`` calls never calls in.
+        The states the wraps matter for are made after it: the group's own, and its ancestors (a
+        forward root that completes it), as ``fully_shard`` goes bottom-up."""
+        if wrapped:
+            return
+        wrapped.append(True)
+        patcher.wrap(state_class, "_pre_forward", _pre_forward)
+        patcher.wrap(state_class, "_post_forward", _post_forward)
+        patcher.wrap(state_class, "_root_post_backward_final_callback", _final_callback)
+        patcher.wrap(state_module.FSDPParamGroup, "pre_forward", _group_pre_forward)
+
+    patcher.setattr(state_module, "_register_group_forward_hooks", _group_forward_hooks(state_module, wrap_states))
     return True
 
 
