@@ -16,11 +16,12 @@ Torch:         every FSDP2 before 2.13 (read in 2.4.1's ``_composable/fsdp`` and
                2.13 stamps each original parameter with an id when FSDP2 takes it and raises at
                lazy init (the first forward) when two groups took the same one.
 Fix:           as upstream: ``FSDPParam.__init__`` stamps the parameter it is given with an id (kept
-               on the ``FSDPParam`` too), and the root's lazy init, right after it ran, raises
-               torch 2.13's ``ValueError: Parameter '<fqn>' is shared with a parameter already
-               managed by another FSDP group. For shared/tied parameters, use
-               fully_shard([module_a, module_b]) to place them in the same FSDP group.`` when two
-               ``FSDPParam``s of its tree hold the same id. Tied weights inside one FSDP group
+               on the ``FSDPParam`` too), and the root's lazy init, where torch 2.13 checks (right
+               after ``_init_shared_state``, which only the root's first lazy init calls: a step
+               calls nothing here), raises torch 2.13's ``ValueError: Parameter '<fqn>' is shared
+               with a parameter already managed by another FSDP group. For shared/tied parameters,
+               use fully_shard([module_a, module_b]) to place them in the same FSDP group.`` when
+               two ``FSDPParam``s of its tree hold the same id. Tied weights inside one FSDP group
                (one ``fully_shard`` over both modules, or the root's group) are one ``FSDPParam``
                and pass. Applied only where ``FSDPState`` lacks ``_validate_no_duplicate_params``.
 Upstream:      https://github.com/pytorch/pytorch/pull/176225 (issue
@@ -66,22 +67,21 @@ def _fsdp_params(state: Any) -> Iterator[Any]:
         yield from group.fsdp_params
 
 
-def _lazy_init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    first = instance._is_root is None
+def _init_shared_state(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The root's lazy init, once (where torch 2.13 validates): no two groups of its tree hold one parameter."""
     result = wrapped(*args, **kwargs)
-    if first and instance._is_root:
-        seen, states = set(), {id(state): state for state in instance._state_ctx.all_states}
-        for state in states.values():  # torch 2.9 lists a grouped fully_shard([a, b])'s state once per module
-            for fsdp_param in _fsdp_params(state):
-                uid = getattr(fsdp_param, _OWN, None)
-                if uid is None:
-                    continue
-                if uid in seen:
-                    raise ValueError(
-                        f"Parameter '{fsdp_param._param_fqn}' is shared with a parameter already managed by another "
-                        "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place them "
-                        "in the same FSDP group.")
-                seen.add(uid)
+    seen, states = set(), {id(state): state for state in instance._state_ctx.all_states}
+    for state in states.values():  # torch 2.9 lists a grouped fully_shard([a, b])'s state once per module
+        for fsdp_param in _fsdp_params(state):
+            uid = getattr(fsdp_param, _OWN, None)
+            if uid is None:
+                continue
+            if uid in seen:
+                raise ValueError(
+                    f"Parameter '{fsdp_param._param_fqn}' is shared with a parameter already managed by another "
+                    "FSDP group. For shared/tied parameters, use fully_shard([module_a, module_b]) to place them "
+                    "in the same FSDP group.")
+            seen.add(uid)
     return result
 
 
@@ -92,7 +92,7 @@ def _patch_fsdp2(patcher: Patcher, state_module: Any) -> bool:
         return False  # torch >= 2.13 checks itself
     param_module = importlib.import_module(state_module.__name__.rsplit(".", 1)[0] + "._fsdp_param")
     patcher.wrap(param_module.FSDPParam, "__init__", _init_param)
-    patcher.wrap(state_module.FSDPState, "_lazy_init", _lazy_init)
+    patcher.wrap(state_module.FSDPState, "_init_shared_state", _init_shared_state)
     return True
 
 
