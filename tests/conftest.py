@@ -145,11 +145,11 @@ NEWEST_TORCH_PYTHON = matrix_python("2.15.0")
 
 def run_newest_torch_json(code: str, *args: str) -> Any:
     """Run ``code`` (printing one JSON document last) natively on torch 2.15's matrix venv, in a
-    subprocess; skip the test where that venv does not exist."""
+    subprocess (forked from a warm interpreter of that venv where :func:`run_py` would fork); skip the
+    test where that venv does not exist."""
     if not NEWEST_TORCH_PYTHON.exists():
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
-    proc = subprocess.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(),
-                          capture_output=True, text=True, timeout=180)
+    proc = forkserver.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -242,7 +242,8 @@ RESULT = "TORCHPATCH-TEST-RESULT "
 # collected first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, the noxfile) hands out whole
 # files in collection order, and a long file started last would keep one worker busy alone while the
 # other idles. (Without ``--no-loadscope-reorder`` xdist orders files by their number of tests instead.)
-COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py", "test_patch_xla_parallelize.py",
+COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py",
+                   "test_cluster_shapes.py", "test_patch_xla_parallelize.py",
                    "test_engine_torch.py", "test_patch_dtensor_mixed.py", "test_engine.py", "test_check.py",
                    "test_report.py", "test_activation.py", "test_torchrun.py", "test_example.py", "test_check_source.py",
                    "test_cli.py", "test_patch_gloo_exit_abort.py", "test_check_live.py", "test_doctor.py",
@@ -379,7 +380,8 @@ def newest_torch_ranks_result(script: str, *, nproc: int, tmp_path: Path, timeou
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
     path = tmp_path / "newest_torch_script.py"
     path.write_text(textwrap.dedent(script))
-    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON))
+    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON),
+                   popen=forkserver.popen)
     assert all(r.returncode == 0 for r in ranks), [(r.stderr or "")[-2000:] for r in ranks]
     return rank_result(subprocess.CompletedProcess([str(path)], 0, "".join(r.stdout or "" for r in ranks), ""))
 
