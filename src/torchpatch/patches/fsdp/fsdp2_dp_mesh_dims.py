@@ -12,19 +12,20 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                shard dims flattened into one; ``(replicate, shard)`` for HSDP). Where every other dim has
                one rank and parameters are plain, nothing else changes (the shards are 2.15's; the
                sharded parameters are DTensors on the data-parallel mesh). Otherwise (a TP dim of several
-               ranks, or DTensor parameters on the full mesh) each parameter first becomes a DTensor on
+               ranks) each spmd_types-annotated parameter first becomes a DTensor on
                the sub-mesh of the non-data-parallel dims with its full-mesh placements there (an
                spmd_types-annotated one resolved as 2.14 does: fsdp2-spmd-types' resolution and
                ``ValueError``s), which is this torch's native FSDP+TP / HSDP+TP input: the sharded
                parameters are DTensors on ``root[dp dims + other dims]`` (the full mesh where it is one
                mesh) with 2.15's placements (``_StridedShard`` on the dp dim where TP shards the same
-               tensor dim). As 2.15: the unsharded parameter stays plain (spmd_types) or is a DTensor on
-               the full mesh; the gradient (plain, with the annotation's backward placements, or a
-               full-mesh DTensor) is reduced over the TP dims to the parameter's placements there and by
+               tensor dim). As 2.15: the unsharded parameter stays plain; the gradient (plain, with the
+               annotation's backward placements) is reduced over the TP dims to the parameter's placements there and by
                FSDP over the data-parallel ones. Not served (``NotImplementedError``): several replicate
                dims, replicate only, HSDP over several shard dims, a non-data-parallel dim before a
                data-parallel one, more than two non-data-parallel dims of several ranks (this FSDP2 takes
-               1-D TP/EP or 2-D EP+TP), DTensor parameters on a mesh of data-parallel dims only;
+               1-D TP/EP or 2-D EP+TP), DTensor parameters on the full mesh (torchtitan's
+               ``full_dtensor`` backend: measured with 2.13's losses and placements but not its
+               gradients, so refused);
                ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
                Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
@@ -160,7 +161,7 @@ def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: A
     """Replace each parameter by a DTensor on the sub-mesh of the non-data-parallel dims (at most two:
     this torch's FSDP2 takes 1-D TP/EP or 2-D EP+TP), remembering its full-mesh spec (:class:`_Spmd`)."""
     import torch.nn as nn
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
     names = list(mesh.mesh_dim_names)
     dp_names = set(dp_mesh_dims.shard_names + dp_mesh_dims.replicate_names)
@@ -175,17 +176,11 @@ def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: A
     tp_mesh = mesh[tuple(tp_names)] if len(tp_names) > 1 else mesh[tp_names[0]]
     for owner, name, param in params:
         if isinstance(param, DTensor):
-            if param.device_mesh != mesh:
-                raise ValueError("Expected param's DTensor mesh to be the same mesh passed to fully_shard, but "
-                                 f"got {param.device_mesh} for parameter '{name}'")
-            for dim in dp_names:
-                if not isinstance(param.placements[names.index(dim)], Replicate):
-                    raise ValueError(f"Expected Replicate() on DP dim '{dim}' (index {names.index(dim)}) but got "
-                                     f"{param.placements[names.index(dim)]}")
-            full, grad_placements, plain = param, (), False
-        else:
-            full, grad_placements = _storage(name, param, mesh, dp_mesh_dims)
-            plain = True
+            # measured on a (dp_shard 2, tp 2) mesh: 2.13's losses and placements, not its gradients
+            raise _unserved("with DTensor parameters on the full mesh (spmd_backend='full_dtensor'; "
+                            "spmd_types-annotated plain parameters are served)")
+        full, grad_placements = _storage(name, param, mesh, dp_mesh_dims)
+        plain = True
         tp_param = nn.Parameter(DTensor.from_local(
             full._local_tensor, tp_mesh, [full.placements[i] for i in kept], run_check=False, shape=full.shape,
             stride=full.stride()), requires_grad=param.requires_grad)
