@@ -197,6 +197,21 @@ def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: A
             stride=full.stride()), requires_grad=param.requires_grad)
         tp_param._torchpatch_spmd = _Spmd(full._spec, plain, tuple(grad_placements), kept)
         owner._parameters[name] = tp_param
+    _wrap_fsdp_param()
+
+
+_FSDP_PARAM: Dict[str, Any] = {}  # "wrap": FSDPParam's wraps to install; "wrapped": installed
+
+
+def _wrap_fsdp_param() -> None:
+    """FSDPParam's wraps installed when the first parameter they serve is made (before FSDPParam
+    takes it): a ``fully_shard`` without ``dp_mesh_dims`` never calls in."""
+    if _FSDP_PARAM.get("wrapped"):
+        return
+    wrap = _FSDP_PARAM.get("wrap")
+    if wrap is None:
+        raise _unserved("without this torch's FSDPParam patched (its module's hook did not run)")
+    wrap()
 
 
 def _init_sharded_param(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -249,9 +264,17 @@ def _patch_fsdp_param(patcher: Patcher, param_module: ModuleType) -> bool:
     fsdp_param_type = param_module.FSDPParam
     if hasattr(fsdp_param_type, "_init_sharding_spec_spmd") or not hasattr(fsdp_param_type, "_get_grad_inner_tensor"):
         return False  # torch >= 2.12 shards over the full mesh itself
-    patcher.wrap(fsdp_param_type, "_init_sharded_param", _init_sharded_param)
-    patcher.wrap(fsdp_param_type, "init_unsharded_param", _init_unsharded_param)
-    patcher.wrap(fsdp_param_type, "_get_grad_inner_tensor", _get_grad_inner_tensor)
+
+    def wrap() -> None:
+        """Through this hook's patcher, which the engine keeps for changes made later (undone with the patch)."""
+        _FSDP_PARAM["wrapped"] = True
+        patcher.wrap(fsdp_param_type, "_init_sharded_param", _init_sharded_param)
+        patcher.wrap(fsdp_param_type, "init_unsharded_param", _init_unsharded_param)
+        patcher.wrap(fsdp_param_type, "_get_grad_inner_tensor", _get_grad_inner_tensor)
+
+    _FSDP_PARAM.clear()
+    _FSDP_PARAM["wrap"] = wrap
+    patcher.on_undo(_FSDP_PARAM.clear)
     return True
 
 
