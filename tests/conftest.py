@@ -242,7 +242,8 @@ RESULT = "TORCHPATCH-TEST-RESULT "
 # collected first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, the noxfile) hands out whole
 # files in collection order, and a long file started last would keep one worker busy alone while the
 # other idles. (Without ``--no-loadscope-reorder`` xdist orders files by their number of tests instead.)
-COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py", "test_patch_xla_parallelize.py",
+COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py",
+                   "test_cluster_shapes.py", "test_patch_xla_parallelize.py",
                    "test_engine_torch.py", "test_patch_dtensor_mixed.py", "test_engine.py", "test_check.py",
                    "test_report.py", "test_activation.py", "test_torchrun.py", "test_example.py", "test_check_source.py",
                    "test_cli.py", "test_patch_gloo_exit_abort.py", "test_check_live.py", "test_doctor.py",
