@@ -25,7 +25,8 @@ Fix:           without a new placement: the same layout is plain nested sharding
                labelled. FSDP2's all-gather and reduce-scatter do not read the label (they use the
                data-parallel group and the TP spec), so training is unchanged. What differs from
                torch >= 2.5: such a parameter's ``device_mesh`` is the (tp, dp) mesh (2.5: (dp, tp)
-               with ``_StridedShard``); HSDP + TP, which 2.4's FSDP2 refuses, stays refused.
+               with ``_StridedShard``). HSDP + TP, which 2.4's FSDP2 refuses, is fsdp2-hsdp-tp's (it
+               labels its parameters with this patch's helpers, and this patch removes the hooks).
 Upstream:      https://github.com/pytorch/pytorch/issues/129627 (the 2-D state dict);
                https://github.com/pytorch/pytorch/pull/130760 (FSDP2 labels them ``_StridedShard`` "for
                correct full_tensor() result"), https://github.com/pytorch/pytorch/pull/126697 (the
@@ -45,24 +46,42 @@ PATCH = Patch(
     category="correctness",  # full_tensor() and redistribution of such a parameter read its rows in the wrong order
 )
 
-_MARK = "_torchpatch_2d_spec"  # on an FSDPParam whose sharded spec this patch relabelled
-_SWAPPED: Dict[int, Tuple[Any, Any]] = {}  # id of a (dp, tp) mesh -> (that mesh, its (tp, dp) mesh)
+_MARK = "_torchpatch_2d_spec"  # on an FSDPParam whose sharded spec a patch relabelled (also fsdp2-hsdp-tp)
+_PERMUTED: Dict[Tuple[int, Tuple[int, ...]], Tuple[Any, Any]] = {}  # (id of a mesh, order) -> (mesh, permuted)
 
 
-def _swapped(mesh: Any) -> Any:
-    """The (tp, dp) mesh of a 2-D (dp, tp) mesh: the same ranks and process groups, dims swapped."""
+def permuted(mesh: Any, order: Tuple[int, ...]) -> Any:
+    """``mesh`` with its dims in ``order``: the same ranks and process groups (the (tp, dp) mesh of a 2-D
+    (dp, tp) mesh for ``order == (1, 0)``)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    key = id(mesh)
-    entry = _SWAPPED.get(key)
+    key = (id(mesh), order)
+    entry = _PERMUTED.get(key)
     if entry is not None and entry[0] is mesh:
         return entry[1]
-    swapped = DeviceMesh(mesh.device_type, mesh.mesh.t().contiguous(),
-                         mesh_dim_names=tuple(reversed(mesh.mesh_dim_names)), _init_backend=False)
-    swapped._dim_group_infos = list(reversed(mesh._dim_group_infos))
-    swapped._parent_mesh = getattr(mesh, "_parent_mesh", None)
-    _SWAPPED[key] = (mesh, swapped)  # keeps mesh alive: the id stays its own
-    return swapped
+    names = mesh.mesh_dim_names
+    result = DeviceMesh(mesh.device_type, mesh.mesh.permute(order).contiguous(),
+                        mesh_dim_names=tuple(names[d] for d in order) if names else None, _init_backend=False)
+    result._dim_group_infos = [mesh._dim_group_infos[d] for d in order]
+    result._parent_mesh = getattr(mesh, "_parent_mesh", None)
+    _PERMUTED[key] = (mesh, result)  # keeps mesh alive: the id stays its own
+    return result
+
+
+def relabel(fsdp_param: Any, mesh: Any, placements: Tuple[Any, ...]) -> None:
+    """Give ``fsdp_param``'s sharded parameter (and the gradients made from its spec) the label
+    ``placements`` on ``mesh``: the data it holds stays as it is."""
+    import torch.nn as nn
+    from torch.distributed._tensor.placement_types import DTensorSpec
+
+    spec = fsdp_param._sharding_spec
+    fsdp_param._sharding_spec = DTensorSpec(mesh, tuple(placements), tensor_meta=spec.tensor_meta)
+    old = fsdp_param.sharded_param
+    new = nn.Parameter(fsdp_param.to_sharded_dtensor(old._local_tensor))
+    new.requires_grad_(old.requires_grad)
+    fsdp_param.sharded_param = new
+    fsdp_param._setattr_on_modules(new)
+    setattr(fsdp_param, _MARK, True)
 
 
 def _init_sharded_param(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
@@ -70,18 +89,8 @@ def _init_sharded_param(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwar
     spec = instance._sharding_spec
     if not (instance.is_dtensor and spec.mesh.ndim == 2 and len(spec.placements) == 2
             and spec.placements[0].is_shard(0) and instance._tp_spec.mesh.ndim == 1):
-        return result  # FSDP alone, or HSDP: the label says what is stored
-    import torch.nn as nn
-    from torch.distributed._tensor.placement_types import DTensorSpec
-
-    instance._sharding_spec = DTensorSpec(_swapped(spec.mesh), (spec.placements[1], spec.placements[0]),
-                                          tensor_meta=spec.tensor_meta)
-    old = instance.sharded_param
-    new = nn.Parameter(instance.to_sharded_dtensor(old._local_tensor))
-    new.requires_grad_(old.requires_grad)
-    instance.sharded_param = new
-    instance._setattr_on_modules(new)
-    setattr(instance, _MARK, True)
+        return result  # FSDP alone, or HSDP (+ TP: fsdp2-hsdp-tp labels it): the label says what is stored
+    relabel(instance, permuted(spec.mesh, (1, 0)), (spec.placements[1], spec.placements[0]))
     return result
 
 
@@ -97,7 +106,7 @@ def _group_init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict
                 unlabelled.add(id(module))
     for key, module in modules.items():
         if key in unlabelled:
-            continue  # HSDP (+ TP): torch 2.4's refusal stays
+            continue  # HSDP without TP: torch 2.4's refusal stays
         for hooks in (module._state_dict_pre_hooks, module._load_state_dict_pre_hooks):
             for handle_id, hook in list(hooks.items()):
                 if getattr(getattr(hook, "hook", hook), "__name__", "") == "_raise_not_implemented_if_2d":
