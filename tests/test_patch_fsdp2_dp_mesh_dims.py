@@ -10,8 +10,8 @@ the batch; losses and full parameters are compared with the same model trained o
 full batch in the same run. Unannotated plain parameters and a parameter annotated ``S(0)`` on the FSDP
 axis raise torch 2.15's ``ValueError``s. Torch 2.14+ does this natively where spmd_types is installed
 (the newest torch validates the expectation; 2.12-2.13 with fsdp2-spmd-types); 2.9-2.11 natively have
-no ``dp_mesh_dims`` (``TypeError``). Where the patch applies, a tensor-parallel dim of 2 ranks raises
-its ``NotImplementedError`` (FSDP2 over a full SPMD mesh is not served there).
+no ``dp_mesh_dims`` (``TypeError``). On 4 ranks, FSDP+TP and HSDP+TP over the full mesh (below,
+``TP_RANKS``), through the patch's range and natively after it (2.13: with fsdp2-spmd-types).
 """
 
 import importlib.util
@@ -47,7 +47,7 @@ import datetime, json, torch, torch.nn as nn, torch.distributed as dist
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=("dp_shard", "tp"))
+mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_NAMES)
 try:
     fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
     out = "sharded"
@@ -60,8 +60,8 @@ if dist.get_rank() == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-def one_call(tmp_path, mesh_shape: str, **env) -> list:
-    script = ONE_CALL.replace("MESH_SHAPE", mesh_shape)
+def one_call(tmp_path, mesh_shape: str, names=("dp_shard", "tp"), **env) -> list:
+    script = ONE_CALL.replace("MESH_SHAPE", mesh_shape).replace("MESH_NAMES", repr(names))
     return ranks_result(script, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
 
 
@@ -88,17 +88,20 @@ def test_annotated_parameters_train_to_the_reference(tmp_path):
         assert out == {}, out
 
 
-@where_patch_applies("fsdp2-dp-mesh-dims", "FSDP2 over a full SPMD mesh is not served")
-def test_three_non_data_parallel_dims_raise(tmp_path):
-    for out in one_call(tmp_path, "(1, 2)", TORCHPATCH="1"):
-        assert out.startswith("NotImplementedError: fully_shard(dp_mesh_dims=...) with mesh dims ['tp']"), out
+@where_patch_applies("fsdp2-dp-mesh-dims", "FSDP2 over a full SPMD mesh: a shape it does not serve")
+def test_tp_dim_before_the_data_parallel_dims_raises(tmp_path):
+    for out in one_call(tmp_path, "(2, 1)", ("tp", "dp_shard"), TORCHPATCH="1"):
+        assert out.startswith("NotImplementedError: fully_shard(dp_mesh_dims=...) with mesh dims ['tp'] not all "
+                              "after the data-parallel ones"), out
 
 
-# FSDP+TP over the full mesh (dp_shard=2, tp=2) as torchtitan 0.3.0 runs it: plain local parameters
-# annotated by spmd_types, compute on local tensors with explicit TP collectives. The model: a scale
-# ``g`` (replicated on tp: its gradient is partial there), a column-parallel Linear(4, 8) (weight and
-# bias S(0) on tp: uneven 5-row dp shards of 4-row TP shards, _StridedShard on dp), tanh, a
-# row-parallel Linear(8, 3) without bias (S(1) on tp), then a sum over tp whose backward is identity.
+# FSDP+TP over the full mesh (dp_shard=2, tp=2; HSDP+TP: dp_replicate=2, dp_shard=1, tp=2) as
+# torchtitan 0.3.0 runs it: plain local parameters annotated by spmd_types, compute on local tensors
+# with explicit TP collectives. The model: a scale ``g`` (replicated on tp: its gradient is partial
+# there), a column-parallel Linear(4, 10) (weight and bias S(0) on tp: TP shards of 5 rows, FSDP
+# shards of 3 and 2 rows of them, _StridedShard on dp), tanh, a row-parallel Linear(10, 3) without
+# bias (S(1) on tp), then a sum over tp whose backward is identity. Every rank's gradient and updated
+# parameter shard (3 SGD steps) equals its part of one process's on the full batch, float64.
 TP_RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
 import spmd_types as spmd
@@ -106,8 +109,10 @@ from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
-mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
-dp, tp = mesh["dp_shard"].get_local_rank(), mesh["tp"].get_local_rank()
+mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_NAMES)
+dp_names = MESH_NAMES[:-1]
+dp, tp = rank // 2, mesh["tp"].get_local_rank()  # dp: the rank over the data-parallel dims, outermost
+shards, shard_rank = mesh["dp_shard"].size(), mesh["dp_shard"].get_local_rank()
 tp_group = mesh["tp"].get_group()
 
 class SumOverTP(torch.autograd.Function):
@@ -151,17 +156,17 @@ local = Model(g, w1.chunk(2)[tp], b1.chunk(2)[tp], w2.chunk(2, dim=1)[tp], True)
 types = {"g": spmd.R, "up.weight": spmd.S(0), "up.bias": spmd.S(0), "down.weight": spmd.S(1)}
 with spmd.set_current_mesh(mesh):
     for k, p in local.named_parameters():
-        spmd.assert_type(p, {"dp_shard": spmd.R, "tp": types[k]})
+        spmd.assert_type(p, {**{name: spmd.R for name in dp_names}, "tp": types[k]})
 tp_dims = {"up.weight": 0, "up.bias": 0, "down.weight": 1}
 
 def shard(k, full):
     # this rank's part of a full tensor: its TP shard, then FSDP's dim-0 chunk of it (uneven: 3 and 2
-    # rows of a TP shard of 5); compared locally, not with full_tensor(): torch 2.9's _StridedShard
+    # rows of a TP shard of 5 on 2 shard ranks); compared locally, not with full_tensor(): torch 2.9's _StridedShard
     # gathers uneven shards in the wrong order (natively too)
     part = full.chunk(2, dim=tp_dims[k])[tp] if k in tp_dims else full
-    return part.chunk(2)[dp]
+    return part.chunk(shards)[shard_rank]
 
-dims = DataParallelMeshDims(shard="dp_shard")
+dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate" if len(dp_names) > 1 else None)
 fully_shard(local.up, mesh=mesh, dp_mesh_dims=dims)
 fully_shard(local, mesh=mesh, dp_mesh_dims=dims)
 opt = torch.optim.SGD(local.parameters(), lr=0.5)
@@ -185,14 +190,19 @@ out["mesh"] = sorted({tuple(p.device_mesh.mesh_dim_names) for p in local.paramet
 
 @needs_spmd_types
 @through_patch_range("fsdp2-dp-mesh-dims", "FSDP2 with dp_mesh_dims; fsdp2-spmd-types on 2.12-2.13")
-def test_fsdp_tp_over_full_mesh_trains_to_the_reference(tmp_path):
-    script = TP_RANKS + gathered_tail("fsdp2-dp-mesh-dims")
+@pytest.mark.parametrize("shape, names", [
+    ((2, 2), ("dp_shard", "tp")),  # FSDP+TP
+    ((2, 1, 2), ("dp_replicate", "dp_shard", "tp")),  # HSDP+TP (the shard dim of one rank: 4 ranks)
+], ids=["fsdp-tp", "hsdp-tp"])
+def test_fsdp_tp_over_full_mesh_trains_to_the_reference(tmp_path, shape, names):
+    script = TP_RANKS.replace("MESH_SHAPE", repr(shape)).replace("MESH_NAMES", repr(names))
+    script += gathered_tail("fsdp2-dp-mesh-dims")
+    replicate = ["Replicate"] if len(names) > 2 else []
     for out in ranks_result(script, nproc=4, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=240):
         assert out.pop("status") == ("applied" if patch_applies_here("fsdp2-dp-mesh-dims") else None)
-        assert out.pop("mesh") == [["dp_shard", "tp"]], out
-        assert out.pop("placements") == {"g": ["Shard(0)", "Replicate"],
-                                         "up.weight": ["StridedShard(0)", "Shard(0)"],
-                                         "up.bias": ["StridedShard(0)", "Shard(0)"],
-                                         "down.weight": ["Shard(0)", "Shard(1)"]}, out
+        assert out.pop("mesh") == [list(names)], out
+        assert out.pop("placements") == {k: replicate + v for k, v in {
+            "g": ["Shard(0)", "Replicate"], "up.weight": ["StridedShard(0)", "Shard(0)"],
+            "up.bias": ["StridedShard(0)", "Shard(0)"], "down.weight": ["Shard(0)", "Shard(1)"]}.items()}, out
         assert out.pop("grad_diff") < 1e-12 and out.pop("param_diff") < 1e-12, out
         assert out == {}, out

@@ -1,27 +1,33 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
-where only the data-parallel dims of the full mesh have more than one rank, torch 2.9-2.11.
+(FSDP2 over a full SPMD mesh: FSDP, HSDP, FSDP+TP, HSDP+TP), torch 2.9-2.11.
 
 What breaks:   torchtitan 0.3 (its default ``spmd_backend="spmd_types"``) shards with
                ``fully_shard(block, mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``
-               whenever its storage mesh has more than one rank; before torch 2.12 every FSDP run
-               stops at ``TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'``.
-Torch:         2.12 added the argument (FSDP2 over a full SPMD mesh: parameters that are DTensors on
-               the full mesh, or, from 2.14, plain parameters annotated by spmd_types); 2.9-2.11's
-               ``fully_shard`` takes the data-parallel mesh itself.
-Fix:           where every other dim of the full mesh has one rank and no parameter is a DTensor
-               (torchtitan's FSDP and FSDP+PP runs: plain parameters annotated by spmd_types, ``tp``/
-               ``cp``/``ep`` of size one), sharding over the full mesh is sharding over its
-               data-parallel dims: this torch's ``fully_shard`` runs on ``mesh[shard]`` (several
-               shard dims flattened into one; ``(replicate, shard)`` for HSDP), as torch 2.15 shards
-               and reduces over those dims. A plain parameter raises 2.15's ``ValueError`` unless it carries spmd_types
-               annotations that 2.14's translation accepts (fsdp2-spmd-types' resolution: complete
-               on the full mesh, ``spmd.R`` on the data-parallel axes). The sharded
-               parameters are DTensors on the data-parallel mesh, not on the full mesh (the other
-               dims have one rank: the same shards, one placement per data-parallel dim). Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
-               mesh) it raises ``NotImplementedError``: FSDP2's SPMD-mesh parameter path
-               (``FSDPParam._init_sharding_spec_spmd``, ``_StridedShard`` over dims that share a
-               tensor dim) is not served (not_backportable.json). Without ``dp_mesh_dims``,
-               ``fully_shard`` is this torch's.
+               whenever its storage mesh has more than one rank; before torch 2.12 every FSDP, TP and
+               FSDP+TP run stops at ``TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'``.
+Torch:         2.12 added the argument (parameters that are DTensors on the full mesh; from 2.14 plain
+               parameters annotated by spmd_types too); 2.9-2.11's ``fully_shard`` takes the
+               data-parallel mesh itself, and TP parameters as DTensors on a TP mesh of the same root.
+Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh ``mesh[shard]`` (several
+               shard dims flattened into one; ``(replicate, shard)`` for HSDP). Where every other dim has
+               one rank and parameters are plain, nothing else changes (the shards are 2.15's; the
+               sharded parameters are DTensors on the data-parallel mesh). Otherwise (a TP dim of several
+               ranks) each spmd_types-annotated parameter first becomes a DTensor on
+               the sub-mesh of the non-data-parallel dims with its full-mesh placements there (an
+               spmd_types-annotated one resolved as 2.14 does: fsdp2-spmd-types' resolution and
+               ``ValueError``s), which is this torch's native FSDP+TP / HSDP+TP input: the sharded
+               parameters are DTensors on ``root[dp dims + other dims]`` (the full mesh where it is one
+               mesh) with 2.15's placements (``_StridedShard`` on the dp dim where TP shards the same
+               tensor dim). As 2.15: the unsharded parameter stays plain; the gradient (plain, with the
+               annotation's backward placements) is reduced over the TP dims to the parameter's placements there and by
+               FSDP over the data-parallel ones. Not served (``NotImplementedError``): several replicate
+               dims, replicate only, HSDP over several shard dims, a non-data-parallel dim before a
+               data-parallel one, more than two non-data-parallel dims of several ranks (this FSDP2 takes
+               1-D TP/EP or 2-D EP+TP), DTensor parameters on the full mesh (torchtitan's
+               ``full_dtensor`` backend: measured with 2.13's losses and placements but not its
+               gradients, so refused);
+               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
+               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
 
@@ -36,8 +42,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-dp-mesh-dims",
-    summary="fully_shard(mesh=full_mesh, dp_mesh_dims=...) where only the data-parallel dims have several "
-            "ranks: sharded over those dims",
+    summary="fully_shard(mesh=full_mesh, dp_mesh_dims=...): FSDP/HSDP (+TP) over a full SPMD mesh, as this "
+            "torch's FSDP2 over the data-parallel sub-mesh with TP DTensor parameters",
     torch=">=2.9,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py",
     behaviour="fully_shard(dp_mesh_dims=...)",
@@ -155,7 +161,7 @@ def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: A
     """Replace each parameter by a DTensor on the sub-mesh of the non-data-parallel dims (at most two:
     this torch's FSDP2 takes 1-D TP/EP or 2-D EP+TP), remembering its full-mesh spec (:class:`_Spmd`)."""
     import torch.nn as nn
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor
 
     names = list(mesh.mesh_dim_names)
     dp_names = set(dp_mesh_dims.shard_names + dp_mesh_dims.replicate_names)
@@ -170,17 +176,11 @@ def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: A
     tp_mesh = mesh[tuple(tp_names)] if len(tp_names) > 1 else mesh[tp_names[0]]
     for owner, name, param in params:
         if isinstance(param, DTensor):
-            if param.device_mesh != mesh:
-                raise ValueError("Expected param's DTensor mesh to be the same mesh passed to fully_shard, but "
-                                 f"got {param.device_mesh} for parameter '{name}'")
-            for dim in dp_names:
-                if not isinstance(param.placements[names.index(dim)], Replicate):
-                    raise ValueError(f"Expected Replicate() on DP dim '{dim}' (index {names.index(dim)}) but got "
-                                     f"{param.placements[names.index(dim)]}")
-            full, grad_placements, plain = param, (), False
-        else:
-            full, grad_placements = _storage(name, param, mesh, dp_mesh_dims)
-            plain = True
+            # measured on a (dp_shard 2, tp 2) mesh: 2.13's losses and placements, not its gradients
+            raise _unserved("with DTensor parameters on the full mesh (spmd_backend='full_dtensor'; "
+                            "spmd_types-annotated plain parameters are served)")
+        full, grad_placements = _storage(name, param, mesh, dp_mesh_dims)
+        plain = True
         tp_param = nn.Parameter(DTensor.from_local(
             full._local_tensor, tp_mesh, [full.placements[i] for i in kept], run_check=False, shape=full.shape,
             stride=full.stride()), requires_grad=param.requires_grad)
