@@ -42,7 +42,8 @@ def make(offset):
     return m
 """
 
-RANKS = MODEL + """
+# the imports of a rank program, torch 2.4 without torchpatch included (test_patch_fsdp2_hsdp_tp too)
+RANKS_IMPORTS = """
 import datetime, json, os, sys, torch.nn.functional as F, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -56,6 +57,9 @@ except ImportError:  # torch 2.4 without torchpatch
     from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+"""
+
+RANKS = MODEL + RANKS_IMPORTS + """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, root = dist.get_rank(), os.environ["CKPT_DIR"]
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -23,44 +23,12 @@ from conftest import (
     clean_env, gathered_tail, only_torch, ranks_result, run_newest_torch_json, where_patch_applies,
     where_patch_does_not_apply
 )
+from test_patch_fsdp2_2d_state_dict import MODEL, RANKS_IMPORTS  # the same float64 LM and imports
 
 PATCH_ID = "fsdp2-hsdp-tp"
 ENV_OFF = "TORCHPATCH_FSDP2_HSDP_TP"
 
-MODEL = """
-import os, torch, torch.nn as nn
-V, D = int(os.environ.get("LM_ROWS", "10")), 6
-
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.up, self.down = nn.Embedding(V, D), nn.Linear(D, 2 * D), nn.Linear(2 * D, V, bias=False)
-
-    def forward(self, ids):
-        return self.down(torch.tanh(self.up(self.tok(ids))))
-
-def make(offset):
-    m = LM().double()
-    with torch.no_grad():
-        for k, p in enumerate(m.parameters()):
-            p.copy_(torch.sin(torch.arange(p.numel(), dtype=torch.float64) * 0.37 + k + offset).reshape(p.shape))
-    return m
-"""
-
-RANKS = MODEL + """
-import datetime, json, torch.nn.functional as F, torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-try:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._tensor import Replicate
-    from torch.distributed._composable.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+RANKS = MODEL + RANKS_IMPORTS + """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank, root = dist.get_rank(), os.environ["CKPT_DIR"]
 mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
