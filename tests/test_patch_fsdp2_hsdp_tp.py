@@ -23,7 +23,9 @@ from conftest import (
     clean_env, gathered_tail, only_torch, ranks_result, run_newest_torch_json, where_patch_applies,
     where_patch_does_not_apply
 )
-from test_patch_fsdp2_2d_state_dict import MODEL, RANKS_IMPORTS  # the same float64 LM and imports
+from test_patch_fsdp2_2d_state_dict import (  # the same float64 LM, imports, optimizer round trip, newest reader
+    MODEL, NEWEST_READS_TEMPLATE, OPTIMIZER_ROUND_TRIP, RANKS_IMPORTS, STATE_DICT_ROUND_TRIPS
+)
 
 PATCH_ID = "fsdp2-hsdp-tp"
 ENV_OFF = "TORCHPATCH_FSDP2_HSDP_TP"
@@ -67,26 +69,7 @@ if "error" not in out:
                          for n, p in a.named_parameters()}
     out["mesh"] = list(a.up.weight.device_mesh.mesh_dim_names)
     dcp.save(get_model_state_dict(a), checkpoint_id=f"{root}/hsdp_tp")
-    if rank == 0:  # a seed checkpoint: the plain model's state dict
-        dcp.save(make(5).state_dict(), checkpoint_id=f"{root}/plain", process_group=solo)
-    dist.barrier()
-    b = hsdp_tp(1)
-    state = get_model_state_dict(b)
-    dcp.load(state, checkpoint_id=f"{root}/hsdp_tp")
-    set_model_state_dict(b, state)
-    out["round_trip"] = equals(b, ref)
-    c = hsdp_tp(1)
-    state = get_model_state_dict(c)
-    dcp.load(state, checkpoint_id=f"{root}/plain")
-    set_model_state_dict(c, state)
-    out["from_plain"] = equals(c, make(5))
-    if rank == 0:
-        plain = make(3)
-        state = plain.state_dict()
-        _load_state_dict(state, dcp.FileSystemReader(f"{root}/hsdp_tp"), no_dist=True)
-        plain.load_state_dict(state)
-        out["to_plain"] = all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))
-
+""" + STATE_DICT_ROUND_TRIPS.replace("MAKE", "hsdp_tp").replace("FOLDER", "hsdp_tp") + """
     opt = torch.optim.AdamW(b.parameters(), lr=0.1, foreach=True)
     grads = step(b, opt, ids[dp_rank:dp_rank + 1])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=True)
@@ -97,30 +80,9 @@ if "error" not in out:
                          for n, p in b.named_parameters())
     dcp.save({"model": get_model_state_dict(b), "optim": get_optimizer_state_dict(b, opt)},
              checkpoint_id=f"{root}/opt")
-    e = hsdp_tp(2)
-    opt2 = torch.optim.AdamW(e.parameters(), lr=0.1, foreach=True)
-    step(e, opt2, ids[dp_rank:dp_rank + 1])
-    state = {"model": get_model_state_dict(e), "optim": get_optimizer_state_dict(e, opt2)}
-    dcp.load(state, checkpoint_id=f"{root}/opt")
-    set_model_state_dict(e, state["model"])
-    set_optimizer_state_dict(e, opt2, state["optim"])
-    same = True
-    for p1, p2 in zip(b.parameters(), e.parameters()):
-        same &= torch.equal(p1.full_tensor(), p2.full_tensor())
-        for key in ("exp_avg", "exp_avg_sq"):
-            same &= torch.equal(opt.state[p1][key].full_tensor(), opt2.state[p2][key].full_tensor())
-    out["optimizer_round_trip"] = bool(same)
-"""
+""" + OPTIMIZER_ROUND_TRIP.replace("MAKE", "hsdp_tp").replace("*BATCH", "ids[dp_rank:dp_rank + 1]")
 
-NEWEST_READS = MODEL + """
-import json, sys
-import torch.distributed.checkpoint as dcp
-ref, plain = make(0), make(3)
-state = plain.state_dict()
-dcp.load(state, checkpoint_id=sys.argv[1] + "/hsdp_tp")
-plain.load_state_dict(state)
-print(json.dumps(all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))))
-"""
+NEWEST_READS = NEWEST_READS_TEMPLATE.replace("FOLDER", "hsdp_tp")
 
 CHECKS = ("full_tensor", "round_trip", "from_plain", "grads", "weights", "optimizer_round_trip")
 
