@@ -54,8 +54,10 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     ("0.3.0", "==2.9.*"): ("fsdp", "pp"),
     ("0.2.2", "==2.13.*"): ("fsdp",),  # fsdp2-gloo-divide-factor
     # 0.3.0: FSDP of spmd_types-annotated parameters (fsdp2-spmd-types); PP with pre-split microbatches
-    # (pipelining-presplit-inputs). Their FSDP+TP+SAC cells are the docs table's (a longer run).
-    ("0.3.0", "==2.13.*"): ("fsdp", "pp"),
+    # (pipelining-presplit-inputs); HSDP (replicate 2 x shard 2) x TP 2 on 8 ranks: the same FSDP patches
+    # with a replicate dim and TP on one 3-D mesh (fsdp2-spmd-types, fsdp2-gloo-divide-factor).
+    # Their FSDP+TP+SAC and PP+FSDP+TP cells are the docs table's (a longer run).
+    ("0.3.0", "==2.13.*"): ("fsdp", "pp", "hsdp+tp"),
 }
 # release -> torch 2.15.0's native run on one process (TORCHPATCH unset; its fsdp, tp, pp and fsdp+tp+sac runs
 # equal it to 1e-5) from the seed checkpoint made on torch 2.9.0 with TORCHPATCH=1: the digest of the weights it
