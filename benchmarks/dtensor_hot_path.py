@@ -22,13 +22,25 @@ be slow for one side is a bias this cannot rule out). The ``calls`` counts below
    the step cannot run natively (FSDP2 on CPU on torch 2.4), the baseline is ``TORCHPATCH=1`` with
    only the patch the step needs (``TORCHPATCH_ENABLE``), and the line says so.
 3. ``calls``: Python calls into torchpatch's code during one call of each op and one step of each (``sys.setprofile`` in
-   rank 0, after warm-up), by function. Target: at most 5 per TP step.
+   rank 0, after warm-up), by function. Target: at most 5 per step.
+4. ``--3d``: the cluster shape, 8 ranks on a 3-D mesh (dp_replicate 2 x dp_shard 2 x tp 2): an
+   ``hsdp_tp_step``, the MLP tensor-parallel on ``tp`` then ``fully_shard`` (HSDP) on the 2-D
+   ``(dp_replicate, dp_shard)`` mesh, forward, backward, SGD; its CPU ratio (target <= 1.02) and calls.
+   With 8 ranks on fewer cores, rank 0's thread time still counts only its own work.
 
     python benchmarks/dtensor_hot_path.py --python ~/.cache/torchpatch/nox/matrix-torch-2-9-0/bin/python
     python benchmarks/dtensor_hot_path.py --python PY --pairs 9 --json
+    python benchmarks/dtensor_hot_path.py --python PY --3d --pairs 5
+    python benchmarks/dtensor_hot_path.py --python PY --3d --calls-only     # one job, the exact counts
+    python benchmarks/dtensor_hot_path.py --device cuda --backend nccl --pairs 3   # one GPU: 1 rank
 
-``--python`` is an interpreter with torch and torchpatch installed (the wheel: reinstall it after
-changing the source). Exit status 0 when every target is met.
+``--python`` is an interpreter with torch. torchpatch is the one installed there (the wheel: reinstall
+it after changing the source); where none is (no start-up ``.pth``), or with ``--src``, the jobs run
+this checkout's ``src/`` and activate it as ``torchpatch run`` does, with the start-up
+``sitecustomize`` of ``src/torchpatch/_bootstrap`` first on ``PYTHONPATH``. ``--device cuda --backend
+nccl`` runs every measure on ``--ranks`` ranks (default 1: one rank per GPU, the 3-D step on a
+1 x 1 x 1 mesh). Each job checks that the ``TORCHPATCH=1`` side is active and the other is not.
+Exit status 0 when every target is met.
 """
 
 from __future__ import annotations
@@ -46,32 +58,41 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 TARGETS = {"add": 1.03, "sum": 1.03, "mul_number": 1.03, "redistribute": 1.03, "matmul": 1.03,
-           "tp_step": 1.02, "fsdp2_step": 1.02}
-CALLS_TARGET = 5
+           "tp_step": 1.02, "fsdp2_step": 1.02, "hsdp_tp_step": 1.02}
+OPS = ("add", "sum", "mul_number", "redistribute", "matmul")
+STEPS = ("tp_step", "fsdp2_step", "hsdp_tp_step")
+CALLS_TARGET = 5  # per step
 # Steps that cannot run natively on some torch, and the one patch they need there.
-NEEDS = {"fsdp2_step": "fsdp2-cpu"}
+NEEDS = {"fsdp2_step": "fsdp2-cpu", "hsdp_tp_step": "fsdp2-cpu"}
+SRC = Path(__file__).resolve().parent.parent / "src"
 
 
 # -- the rank worker ---------------------------------------------------------------------------------
 
-def _worker(blocks: int, per_block: int, steps: int, count_calls: bool) -> None:
+def _worker(config: Dict[str, Any]) -> None:
     import time
 
     import torch
     import torch.distributed as dist
 
+    blocks, per_block, steps, count_calls = config["blocks"], config["per_block"], config["steps"], config["count_calls"]
+    device = config["device"]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank = int(os.environ["RANK"])
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(config["backend"])
     cpus = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # each rank on its own CPU, the same one each job
+    os.sched_setaffinity(0, {cpus[rank % len(cpus)]})  # each rank on one CPU, the same one each job
+    torch.set_default_device(device)
     try:
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     except ImportError:  # torch 2.1-2.4 natively
         from torch.distributed._tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.manual_seed(0)
     a = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
     b = distribute_tensor(torch.randn(64, 32), mesh, [Shard(0)])
@@ -108,6 +129,7 @@ def _worker(blocks: int, per_block: int, steps: int, count_calls: bool) -> None:
             fn()
         times = []
         for _ in range(repeat):
+            sync()  # a GPU's queue drained outside the timed block (a wait would count as CPU)
             if not alone:
                 dist.barrier()
             start = time.thread_time_ns()
@@ -119,11 +141,16 @@ def _worker(blocks: int, per_block: int, steps: int, count_calls: bool) -> None:
         return statistics.median(times)
 
     for name, fn in ops.items():
+        if name not in config["measures"]:
+            continue
         result["us"][name] = per_call(fn, per_block, blocks, alone=(name != "redistribute"))
         if count_calls and (rank == 0 or name == "redistribute"):  # a collective: both ranks
             result["calls"][name] = _calls_in(fn)
 
-    for name, make in (("tp_step", _tp_step), ("fsdp2_step", _fsdp2_step)):
+    makers = {"tp_step": _tp_step, "fsdp2_step": _fsdp2_step, "hsdp_tp_step": _hsdp_tp_step}
+    for name, make in makers.items():
+        if name not in config["measures"]:
+            continue
         try:
             step = make(mesh)
             result["us"][name] = per_call(step, 1, steps)
@@ -134,6 +161,10 @@ def _worker(blocks: int, per_block: int, steps: int, count_calls: bool) -> None:
             result["calls"][name] = _calls_in(step)
     dist.barrier()
     if rank == 0:
+        import torchpatch  # importing it installs nothing: did TORCHPATCH (or its absence) hold?
+
+        result["active"] = torchpatch.is_installed()
+        result["failed"] = sorted(k for k, v in torchpatch.status().items() if v == "failed")
         print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # gloo's teardown can hang on some torches: leave deterministically
 
@@ -166,17 +197,44 @@ def _tp_step(mesh: Any) -> Any:
     return _train_step(model, torch.randn(8, 64))
 
 
-def _fsdp2_step(mesh: Any) -> Any:
-    import torch
-
+def _fully_shard() -> Any:
     try:
         from torch.distributed.fsdp import fully_shard
     except ImportError:  # torch 2.4-2.5
         from torch.distributed._composable.fsdp import fully_shard
+    return fully_shard
+
+
+def _fsdp2_step(mesh: Any) -> Any:
+    import torch
+
+    fully_shard = _fully_shard()
     model = _mlp()
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return _train_step(model, torch.randn(8, 64))
+
+
+def _hsdp_tp_step(mesh: Any) -> Any:
+    """The cluster shape: a 3-D mesh (dp_replicate, dp_shard, tp) of 8 ranks (1 x 1 x 1 on one rank),
+    the MLP tensor-parallel on ``tp``, then HSDP (``fully_shard`` on the 2-D data-parallel mesh)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = dist.get_world_size()
+    if world not in (1, 8):
+        raise ValueError(f"the 3-D step needs 8 ranks (2 x 2 x 2) or 1, not {world}")
+    side = 2 if world == 8 else 1
+    mesh_3d = init_device_mesh(mesh.device_type, (side, side, side), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    fully_shard = _fully_shard()
+    model = parallelize_module(_mlp(), mesh_3d["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    dp_mesh = mesh_3d["dp_replicate", "dp_shard"]
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
     return _train_step(model, torch.randn(8, 64))
 
 
@@ -209,22 +267,45 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _base_env(args: argparse.Namespace) -> Dict[str, str]:
+    """The environment of every job: none of the caller's TORCHPATCH* or PYTHON* settings but its
+    PYTHONPATH, with this checkout's src/ and its start-up sitecustomize first where ``--src``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTHON")) or k == "PYTHONPATH"}
+    if args.src:
+        paths = [str(SRC / "torchpatch" / "_bootstrap"), str(SRC)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
 def _job(python: str, env_side: Dict[str, str], args: argparse.Namespace, count_calls: bool) -> Dict[str, Any]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTHON"))}
-    env.update(env_side, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2",
+    env = _base_env(args)
+    env.update(env_side, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.ranks),
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHPATCH_LOG="off")
-    command = [python, __file__, "--worker", str(args.blocks), str(args.per_block), str(args.steps),
-               "1" if count_calls else "0"]
+    config = {"blocks": args.blocks, "per_block": args.per_block, "steps": args.steps, "count_calls": count_calls,
+              "device": args.device, "backend": args.backend, "measures": args.measures}
+    command = [python, __file__, "--worker", json.dumps(config)]
     setarch = shutil.which("setarch")
     if setarch and not args.aslr:  # the same addresses in every process: see the module's docstring
         command = [setarch, platform.machine(), "-R", *command]
     ranks = [subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = [p.communicate(timeout=args.timeout) for p in ranks]
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(args.ranks)]
+    try:
+        outs = [p.communicate(timeout=args.timeout) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
     line = next((l for l in outs[0][0].splitlines() if l.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"rank 0 gave no result (exit {ranks[0].returncode}):\n{outs[0][1][-3000:]}")
-    return json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT "):])
+    wanted = env_side.get("TORCHPATCH") == "1"
+    if result["active"] != wanted:
+        raise RuntimeError(f"torchpatch was {'not ' if wanted else ''}active in a job with TORCHPATCH="
+                           f"{env_side.get('TORCHPATCH', '(unset)')}: is it installed in --python, or use --src")
+    if result["failed"]:  # a patch that failed was taken back: the measure would not be torchpatch's cost
+        raise RuntimeError(f"patches failed to apply: {', '.join(result['failed'])} (run with TORCHPATCH_LOG=warning)")
+    return result
 
 
 def _spread(values: List[float]) -> float:
@@ -239,6 +320,13 @@ def _spread(values: List[float]) -> float:
 def _version(python: str) -> str:
     return subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True,
                           text=True, env={**os.environ, "TORCHPATCH": "0"}).stdout.strip()
+
+
+def _has_startup_hook(python: str) -> bool:
+    """Whether torchpatch's start-up module is installed in ``python`` (the wheel's ``.pth``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+    probe = "import importlib.util; print(importlib.util.find_spec('_torchpatch_startup') is not None)"
+    return subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env).stdout.strip() == "True"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -256,10 +344,34 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--aslr", action="store_true",
                         help="keep address-space randomization on in the jobs (default: off, through setarch -R)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--3d", dest="three_d", action="store_true",
+                        help="the cluster shape: the HSDP + TP step on 8 ranks, mesh 2 x 2 x 2")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the tensors live")
+    parser.add_argument("--backend", default="gloo", help="process group backend (nccl with --device cuda)")
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="ranks per job (default: 8 with --3d, 1 with --device cuda, else 2)")
+    parser.add_argument("--calls-only", action="store_true", help="only count the calls, in one TORCHPATCH=1 job")
+    parser.add_argument("--src", action="store_true",
+                        help="run this checkout's src/ (the default where --python has no torchpatch installed)")
     args = parser.parse_args(argv)
+    if args.ranks is None:
+        args.ranks = 8 if args.three_d else 1 if args.device == "cuda" else 2
+    args.measures = ["hsdp_tp_step"] if args.three_d else list(OPS + STEPS if args.ranks == 1 else OPS + STEPS[:2])
+    args.src = args.src or not _has_startup_hook(args.python)
+    if args.src:  # torchpatch's own dependencies, which an installed wheel would have brought
+        missing = subprocess.run([args.python, "-c", "import wrapt, packaging"], capture_output=True, text=True)
+        if missing.returncode:
+            parser.error(f"--python lacks torchpatch's dependencies (pip install wrapt packaging): {missing.stderr[-200:]}")
 
     version = _version(args.python)
     on = {"TORCHPATCH": "1", **dict(item.split("=", 1) for item in args.on_env)}
+    if args.calls_only:  # one TORCHPATCH=1 job, untimed: the exact counts
+        args.blocks, args.per_block, args.steps = 1, 1, 1
+        result = _job(args.python, on, args, count_calls=True)
+        step_calls = {name: sum(counts.values()) for name, counts in result["calls"].items() if name in STEPS}
+        print(json.dumps({"torch": version, "ranks": args.ranks, "calls": result["calls"], "step_calls": step_calls,
+                          "errors": result["errors"]}, indent=None if not args.json else 1))
+        return 0 if all(n <= CALLS_TARGET for n in step_calls.values()) else 1
     sides: Dict[str, List[Dict[str, Any]]] = {"on": [], "off": [], "needs": []}
     calls: Dict[str, Dict[str, int]] = {}
     for pair in range(args.pairs):
@@ -273,9 +385,12 @@ def main(argv: Optional[List[str]] = None) -> int:
             sides["needs"].append(_job(args.python, {"TORCHPATCH": "1", "TORCHPATCH_ENABLE": ",".join(needed)},
                                        args, False))
 
-    report: Dict[str, Any] = {"torch": version, "pairs": args.pairs, "on": on, "measures": {}, "calls": calls}
+    report: Dict[str, Any] = {"torch": version, "pairs": args.pairs, "ranks": args.ranks, "device": args.device,
+                              "backend": args.backend, "src": args.src, "on": on, "measures": {}, "calls": calls}
     met = True
     for name, target in TARGETS.items():
+        if name not in args.measures:
+            continue
         on_us = [r["us"][name] for r in sides["on"] if name in r["us"]]
         base, baseline = sides["off"], "TORCHPATCH unset"
         if not [r for r in base if name in r["us"]] and sides["needs"]:
@@ -293,14 +408,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                                     "target": target, "baseline": baseline,
                                     "spread": round(max(_spread(on_us), _spread(off_us)), 2),
                                     "on_jobs": [round(v, 1) for v in on_us], "off_jobs": [round(v, 1) for v in off_us]}
-    tp_calls = sum(calls.get("tp_step", {}).values())
-    report["tp_step_calls"] = tp_calls
-    met &= tp_calls <= CALLS_TARGET
+    step_calls = {name: sum(counts.values()) for name, counts in calls.items() if name in STEPS}
+    report["step_calls"] = step_calls
+    met &= all(n <= CALLS_TARGET for n in step_calls.values())
     report["met"] = met
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(f"torch {version}, {args.pairs} jobs a side, CPU of rank 0's main thread; on: "
+        print(f"torch {version}, {args.pairs} jobs a side of {args.ranks} rank(s) ({args.device}, {args.backend}"
+              + (", torchpatch from src/" if args.src else "") + "), CPU of rank 0's main thread; on: "
               + " ".join(f"{k}={v}" for k, v in on.items()))
         for name, m in report["measures"].items():
             if "error" in m:
@@ -317,6 +433,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--worker"]:
-        _worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1")
+        _worker(json.loads(sys.argv[2]))
     else:
         sys.exit(main())

@@ -53,6 +53,13 @@ PARALLEL: Dict[str, Tuple[int, int, List[str], str]] = {
                   "--parallelism.pipeline_parallel_schedule", "1F1B"], "none"),
     "fsdp+tp+sac": (4, 2, ["--parallelism.data_parallel_shard_degree", "2",
                            "--parallelism.tensor_parallel_degree", "2"], "op"),
+    # 8 ranks: 2 pipeline ranks of 2 stages each (Interleaved1F1B splits the model into 4) x FSDP 2 x TP 2
+    "pp+fsdp+tp": (8, 2, ["--parallelism.data_parallel_shard_degree", "2", "--parallelism.tensor_parallel_degree", "2",
+                          "--parallelism.pipeline_parallel_degree", "2",
+                          "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"], "none"),
+    # 8 ranks: HSDP (replicate 2 x shard 2) x TP 2
+    "hsdp+tp": (8, 4, ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                       "--parallelism.tensor_parallel_degree", "2"], "none"),
 }
 GLOBAL_BATCH = 4  # sequences a step, split over the data-parallel ranks
 SEQ_LEN = 32
@@ -336,7 +343,8 @@ def instrument(trainer, grad_scale: float) -> None:
 def main(argv: List[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--parallel", choices=list(PARALLEL), default="fsdp",
-                        help="parallelism: single (1 process), fsdp, tp, pp on 2 ranks, fsdp+tp+sac on 4 (default fsdp)")
+                        help="parallelism: single (1 process); fsdp, tp, pp on 2 ranks; fsdp+tp+sac on 4; pp+fsdp+tp "
+                             "(Interleaved1F1B, 2 stages a pipeline rank) and hsdp+tp (replicate 2 x shard 2 x TP 2) on 8 (default fsdp)")
     parser.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     parser.add_argument("--seed-checkpoint", metavar="DIR", help="start from this seed checkpoint (made by --make-seed-checkpoint)")
     parser.add_argument("--make-seed-checkpoint", metavar="DIR", help="write torchtitan's seed checkpoint into DIR on one process and exit")

@@ -145,11 +145,11 @@ NEWEST_TORCH_PYTHON = matrix_python("2.15.0")
 
 def run_newest_torch_json(code: str, *args: str) -> Any:
     """Run ``code`` (printing one JSON document last) natively on torch 2.15's matrix venv, in a
-    subprocess; skip the test where that venv does not exist."""
+    subprocess (forked from a warm interpreter of that venv where :func:`run_py` would fork); skip the
+    test where that venv does not exist."""
     if not NEWEST_TORCH_PYTHON.exists():
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
-    proc = subprocess.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(),
-                          capture_output=True, text=True, timeout=180)
+    proc = forkserver.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(), timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -380,7 +380,8 @@ def newest_torch_ranks_result(script: str, *, nproc: int, tmp_path: Path, timeou
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
     path = tmp_path / "newest_torch_script.py"
     path.write_text(textwrap.dedent(script))
-    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON))
+    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON),
+                   popen=forkserver.popen)
     assert all(r.returncode == 0 for r in ranks), [(r.stderr or "")[-2000:] for r in ranks]
     return rank_result(subprocess.CompletedProcess([str(path)], 0, "".join(r.stdout or "" for r in ranks), ""))
 

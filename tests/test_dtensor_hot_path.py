@@ -73,7 +73,6 @@ def test_an_op_makes_no_call_into_torchpatch(counted, op):
 # dispatch's slow path (2.10+), each a few times a step; never a hook of every op.
 STEP_HOOKS = {
     "patches/dtensor/dtensor_stale_scalar_args.py:_live_scalars": "<2.9",
-    "patches/dtensor/dtensor_inplace_placement_change.py:_refuse_self_redistribution": "<2.13",
     "patches/dtensor/dtensor_explicit_redistribution.py:observed": "==2.9.*",  # only where inputs move
     "patches/collectives/funcol_autograd.py:_connected_wrap": "<2.13",
     "patches/collectives/funcol_autograd.py:autograd_kernel": "<2.5",  # 2.4: the kernel that skips the Function without grad
@@ -88,7 +87,7 @@ STEP_HOOKS = {
 def test_a_tensor_parallel_step_calls_only_hooks_off_the_per_op_path(counted):
     allowed = {name for name, spec in STEP_HOOKS.items() if torch_matches(spec)}
     assert set(counted["tp_step"]) <= allowed, counted["tp_step"]
-    assert len(counted["tp_step"]) <= (5 if torch_matches(">=2.9") else 10), counted["tp_step"]
+    assert len(counted["tp_step"]) <= 5, counted["tp_step"]
 
 
 @only_torch(">=2.4")

@@ -207,3 +207,37 @@ def test_flag_warnings_follow_the_log_level(log):
     else:
         assert "ignoring TORCHPATCH_STRICT='maybe'" in proc.stderr
         assert "ignoring TORCHPATCH_DEMO_SHIM='perhaps'" in proc.stderr
+
+
+def test_a_change_made_after_the_hook_returned_is_undone_in_order_and_refused_once_taken_back():
+    """A hook that keeps its patcher and wraps later (on the first use of a feature): the later wrap
+    joins the patch's record when made, so ``uninstall()`` unwinds it after a wrap of the same
+    function that another patch made in between (newest first); once undone, the patcher refuses."""
+    from torchpatch._patch import Patcher
+    from torchpatch._record import Journal
+
+    class Target:
+        def f(self):
+            return "f"
+
+    original = vars(Target)["f"]
+    journal = Journal()
+    mine, other = Patcher(), Patcher()
+    journal.record("mine").add(mine.undo)  # the hook ran first ...
+    mine.settle(journal.record("mine").add)
+    journal.record("other").add(other.undo)
+    other.wrap(Target, "f", lambda wrapped, instance, args, kwargs: "other(" + wrapped(*args, **kwargs) + ")")
+    other.settle(journal.record("other").add)
+    mine.wrap(Target, "f", lambda wrapped, instance, args, kwargs: "mine(" + wrapped(*args, **kwargs) + ")")  # ... wraps later
+    assert Target().f() == "mine(other(f))"
+    assert journal.undo_all() == []
+    assert vars(Target)["f"] is original
+    with pytest.raises(RuntimeError, match="taken back"):
+        mine.wrap(Target, "f", lambda wrapped, instance, args, kwargs: "late")
+    assert vars(Target)["f"] is original
+
+    reloaded = Patcher()  # a reload undoes the hook's run, later changes included
+    reloaded.settle(Journal().record("mine").add)
+    reloaded.setattr(Target, "g", 1)
+    reloaded.undo()
+    assert not hasattr(Target, "g")

@@ -24,6 +24,7 @@ from typing import Dict
 
 import pytest
 
+import forkserver
 from conftest import (LEAVE_WITHOUT_TEARDOWN, NEWEST_TORCH_PYTHON, RESULT, clean_env, launch, ranks_result,
                       rank_result, run_json, run_newest_torch_json, run_py, through_patch_range,
                       where_patch_applies, where_patch_does_not_apply)
@@ -147,7 +148,8 @@ def saved_by_215(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
     one_process = run_newest_torch_json(SAVE_ONE_PROCESS, str(folder))
     script = folder / "save_ranks.py"
     script.write_text(SAVE_RANKS)
-    ranks = launch(str(script), 2, args=[str(folder)], env=clean_env(), python=str(NEWEST_TORCH_PYTHON), timeout=240)
+    ranks = launch(str(script), 2, args=[str(folder)], env=clean_env(), python=str(NEWEST_TORCH_PYTHON), timeout=240,
+                   popen=forkserver.popen)
     proc = subprocess.CompletedProcess([str(script)], max(abs(r.returncode) for r in ranks),
                                        "".join(r.stdout or "" for r in ranks), "".join(r.stderr or "" for r in ranks))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,18 +1,19 @@
 """fsdp2-manual-finalization: FSDP2's manual backward finalization (torch 2.15's API) on torch 2.4-2.14.
 
 On 2 real ranks (gloo, float64), a small MLP sharded per layer and at the root (its first layer's input
-needs no gradient, so autograd never reaches that group's post-backward and manual mode defers it)
-runs forward and backward over two microbatches per rank, compared with the same model on one
-process with every rank's batch (computed in the run): automatically finalized; manually, with
-``finalize_backward()``; accumulating both microbatches without gradient sync, then
-``finalize_backward()``, and again with ``finalize_backward(async_op=True).wait()``; automatically
-again once the mode is switched off. Each equals the reference (float64 to 1e-12). Along the way the
-errors torch 2.15 raises (finalize in automatic mode, during backward, on a non-root, before the wait;
-a mode change during and after backward; manual mode set on a non-root before lazy init; forward before
-the wait; a wait on a handle ``reset_iter_state`` invalidated, where torch has ``reset_iter_state``) come
-with 2.15's messages. The same script runs with TORCHPATCH=1 where the patch applies and natively on
-torch 2.15, which validates the expectations; natively (or with the patch off) torch 2.4-2.14 lack the
-names.
+needs no gradient, so autograd never reaches that group's post-backward and manual mode defers it) runs
+forward and backward over two microbatches per rank, compared with the same model on one process with
+every rank's batch (computed in the run): automatically finalized (with no call into the patch's code:
+its wraps wait for manual mode); manually, with ``finalize_backward()``; accumulating both microbatches
+without gradient sync, then ``finalize_backward()``, and again with
+``finalize_backward(async_op=True).wait()``; automatically again once the mode is switched off. Each
+equals the reference (float64 to 1e-12). Along the way the errors torch 2.15 raises (finalize in
+automatic mode, during backward, on a non-root, before the wait; a mode change during and after
+backward, and after an automatic backward that is not the last; manual mode set on a non-root before
+lazy init; forward before the wait; a wait on a handle ``reset_iter_state`` invalidated, where torch has
+``reset_iter_state``) come with 2.15's messages. The same script runs with TORCHPATCH=1 where the patch
+applies and natively on torch 2.15, which validates the expectations; natively (or with the patch off)
+torch 2.4-2.14 lack the names.
 """
 
 import pytest
@@ -66,9 +67,20 @@ def step(m, sync=True):
 
 out = {}
 m = sharded()
+import os, sys, torchpatch
+calls, patches = [], os.path.join(os.path.dirname(torchpatch.__file__), "patches", "fsdp")
+sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name)  # into this patch's code: none
+               if event == "call" and frame.f_code.co_filename.startswith(patches)
+               and "manual_finalization" in frame.f_code.co_filename else None)
 step(m)
+sys.setprofile(None)
+out["automatic_calls"] = calls
 out["automatic"] = compare(m)
 out["automatic_finalize"] = error(m.finalize_backward)
+a = sharded()  # an automatic backward that is not the last: the mode cannot change until it is finalized
+a.set_is_last_backward(False)
+loss(a, rank, 0).backward()
+out["mode_after_automatic_backward"] = error(lambda: a.set_manual_backward_finalization(True))
 
 m = sharded()
 early = m.finalize_backward(async_op=True)  # before the first forward: no-ops
@@ -129,7 +141,9 @@ if rank == 0:
 
 # torch 2.15's own messages (the script runs natively on 2.15 against the same expectations)
 EXPECTED = {
+    "automatic_calls": [],
     "automatic": "reference",
+    "mode_after_automatic_backward": "set_manual_backward_finalization cannot change mode after backward starts",
     "automatic_finalize": "FSDP finalize_backward requires manual backward finalization. Call "
                           "set_manual_backward_finalization(True) before forward",
     "before_forward": [None, True, None],

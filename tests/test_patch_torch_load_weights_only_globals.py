@@ -1,75 +1,27 @@
-"""torch-load-weights-only-globals: a training state that torch 1.13.1, 2.1.2 and 2.4.1 saved (their matrix
-venvs write it in the run: model and optimizer state dicts, numpy, python and torch RNG states, an
-argparse.Namespace, a dataclass of a module the test writes) fails to load on torch 2.6+ natively with an
-error naming one global; with TORCHPATCH=1 the same exception names all of them, and each of the two
-ways it gives, run as written in a fresh process without torchpatch, loads the file with the values
-saved."""
+"""torch-load-weights-only-globals: a training state that torch 1.13.1, 2.1.2 and 2.4.1 saved (model and
+optimizer state dicts, numpy, python and torch RNG states, an argparse.Namespace, a dataclass of a module of
+its own: tests/fixtures/train_states/, written by tools/train_state_fixtures.py with those torches' matrix
+venvs) fails to load on torch 2.6+ natively with an error naming one global; with TORCHPATCH=1 the same
+exception names all of them, and each of the two ways it gives, run as written in a new process without
+torchpatch, loads the file with the values saved."""
 
 import json
 import os
 import re
-import subprocess
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from conftest import NEWEST_TORCH_PYTHON, clean_env, run_json, where_patch_applies, where_patch_does_not_apply
+from conftest import clean_env, run_json, where_patch_applies, where_patch_does_not_apply
+from train_state_programs import CONFIG_MODULE, PLAIN
 
-VENVS = NEWEST_TORCH_PYTHON.parents[2]
-OLDER = {"1.13.1": "matrix-torch-1-13-1", "2.1.2": "matrix-torch-2-1-2", "2.4.1": "matrix-torch-2-4-1"}
-CONFIG_MODULE = "tp_trainstate_cfg"
-
-CONFIG = """
-import dataclasses
-
-@dataclasses.dataclass
-class TrainConfig:
-    lr: float = 3e-4
-    batch_size: int = 32
-    name: str = "run"
-"""
-
-# Every value of a state as JSON (tensors and arrays as lists, tuples as lists, objects as their fields).
-PLAIN = """
-import dataclasses, json
-
-def plain(x):
-    if hasattr(x, "tolist"):
-        return x.tolist()
-    if dataclasses.is_dataclass(x):
-        return {"dataclass": type(x).__name__, **plain(dataclasses.asdict(x))}
-    if type(x).__name__ == "Namespace":
-        return {"Namespace": plain(vars(x))}
-    if isinstance(x, dict):
-        return {str(k): plain(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [plain(v) for v in x]
-    return x
-"""
-
-SAVE = PLAIN + """
-import argparse, random, sys, numpy as np, torch
-from tp_trainstate_cfg import TrainConfig
-
-torch.manual_seed(0); random.seed(0); np.random.seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model(torch.randn(3, 4)).sum().backward()
-opt.step()
-np.random.rand(3); random.random(); torch.rand(3)
-state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 3,
-         "args": argparse.Namespace(lr=1e-3, epochs=10, data="/data"),
-         "config": TrainConfig(lr=1e-3, batch_size=16, name="demo"),
-         "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}}
-torch.save(state, sys.argv[1])
-print(json.dumps(plain(state)))
-"""
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "train_states"
+OLDER = ("1.13.1", "2.1.2", "2.4.1")
 
 # torch.load(argv[1]) as the caller wrote it: the values, or the exception's type and message; with what
-# torch's own get_unsafe_globals_in_checkpoint says of the file.
-LOAD = PLAIN + """
-import io, sys, torch, torchpatch
+# torch's own get_unsafe_globals_in_checkpoint says of the file. (torch first: a forked process, conftest.run_py)
+LOAD = "import io, sys, torch, torchpatch\n" + PLAIN + """
 target = sys.argv[1]
 if sys.argv[2:] == ["bytesio"]:
     with open(target, "rb") as opened:
@@ -85,28 +37,21 @@ print(json.dumps(out))
 """
 
 
-@pytest.fixture(scope="module", params=sorted(OLDER))
-def saved(request, tmp_path_factory):
+@pytest.fixture(scope="module", params=OLDER)
+def saved(request):
     """(the file torch ``request.param`` saved, its values as saved, the config module's folder, that torch)."""
-    python = VENVS / OLDER[request.param] / "bin" / "python"
-    if not python.exists():
-        pytest.skip(f"no torch {request.param} venv at {python}")
-    folder = tmp_path_factory.mktemp(f"saved-{request.param}")
-    (folder / f"{CONFIG_MODULE}.py").write_text(textwrap.dedent(CONFIG))
-    path = folder / "state.pt"
-    proc = subprocess.run([str(python), "-c", SAVE, str(path)], env=clean_env(PYTHONPATH=str(folder)),
-                          capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return path, json.loads(proc.stdout.strip().splitlines()[-1]), str(folder), request.param
+    folder = FIXTURES / request.param
+    return folder / "state.pt", json.loads((folder / "values.json").read_text()), str(FIXTURES), request.param
 
 
-def _pythonpath(folder: str) -> str:
-    return os.pathsep.join([folder] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+def _run(code: str, folder: str, args=(), **env) -> dict:
+    """``code`` run in the config module's ``folder`` (its working directory, ``sys.path[0]``)."""
+    return run_json(code, args=args, env=clean_env(**env), cwd=folder)
 
 
 def _load(saved, *args, **env) -> dict:
     path, _values, folder, _torch = saved
-    return run_json(LOAD, args=(str(path), *args), env=clean_env(PYTHONPATH=_pythonpath(folder), **env))
+    return _run(LOAD, folder, (str(path), *args), **env)
 
 
 @pytest.fixture(scope="module")
@@ -137,10 +82,8 @@ def _remedy_two(message: str) -> str:
 
 
 def _run_remedy(code: str, saved) -> dict:
-    """``code`` (which binds ``state``) run without torchpatch in a fresh process: the values it loaded."""
-    folder = saved[2]
-    script = PLAIN + code + "\nprint(json.dumps(plain(state)))\n"
-    return run_json(script, env=clean_env(PYTHONPATH=_pythonpath(folder)))
+    """``code`` (which binds ``state``) run without torchpatch in a new process: the values it loaded."""
+    return _run("import torch\n" + PLAIN + code + "\nprint(json.dumps(plain(state)))\n", saved[2])
 
 
 NUMPY = {"numpy.ndarray", "numpy.dtype", "numpy.dtypes.UInt32DType"}
@@ -240,9 +183,9 @@ def test_pickle_protocol_torch_cannot_read(tmp_path):
 @where_patch_does_not_apply("torch-load-weights-only-globals", "torch.load defaults to weights_only=False")
 def test_older_torch_loads_natively(saved):
     path, values, folder, _torch = saved
-    out = run_json(PLAIN + "import sys, torch, torchpatch\nprint(json.dumps({'state': plain(torch.load(sys.argv[1])), "
-                   "'status': torchpatch.status().get('torch-load-weights-only-globals')}))",
-                   args=(str(path),), env=clean_env(PYTHONPATH=_pythonpath(folder), TORCHPATCH="1"))
+    out = _run("import sys, torch, torchpatch\n" + PLAIN + "print(json.dumps({'state': plain(torch.load(sys.argv[1])), "
+               "'status': torchpatch.status().get('torch-load-weights-only-globals')}))", folder, (str(path),),
+               TORCHPATCH="1")
     assert out["status"] is None and out["state"] == values
 
 

@@ -1,6 +1,6 @@
 """tools/torchtitan_table.py without torchtitan: the docs' table of the release x torch pairs it ran
 replaces only those rows (a release, or a torch, is trained again without training the others), and its
-"DCP older to newer" column is written alone into the rows it ran."""
+"DCP older to newer" column, or the columns of some parallelisms, are written alone into the rows they ran."""
 
 from __future__ import annotations
 
@@ -75,8 +75,8 @@ def test_older_to_newer_column_alone(tmp_path, monkeypatch):
     page.write_text(f"intro\n{table.MARKERS[0]}\n" + "\n".join(without) + f"\n{table.MARKERS[1]}\noutro\n")
     monkeypatch.setattr(table, "PAGE", page)
     error = "RuntimeError: Missing key in checkpoint state_dict: lr_scheduler._is_initial."
-    table.write_column([{"release": "0.1.0", "runs": {"2.9.0": {"dcp_from_older": _older("2.4.1", "2.9.0")},
-                                                      "2.15.0": {"dcp_from_older": _older("2.4.1", "2.15.0", error)}}}])
+    table.write_columns({table.OLDER_COLUMN: {("0.1.0", "2.9.0"): table._dcp_from_older(_older("2.4.1", "2.9.0")),
+                                              ("0.1.0", "2.15.0"): table._dcp_from_older(_older("2.4.1", "2.15.0", error))}})
     rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
     assert rows[0] == full[0] and rows[1] == full[1]
     cells = {row.split("|")[2].split()[0]: row.rsplit("|", 2)[1].strip() for row in rows[2:]}
@@ -85,3 +85,33 @@ def test_older_to_newer_column_alone(tmp_path, monkeypatch):
     assert [row.rsplit("|", 2)[0] for row in rows] == [row.rsplit("|", 2)[0] for row in full]
     assert next(r for r in full if "| 2.4.1 |" in r and "cannot" not in r).endswith(
         "| saves the checkpoint the newer torches resume |")
+
+
+def test_parallel_columns_alone(tmp_path, monkeypatch):
+    """``--only-parallel --write`` adds the parallelisms' columns a page lacks where ``PARALLELS`` puts them
+    (before the DCP columns), fills the rows it ran, leaves the others' new cells empty and keeps every
+    other cell; a newest torch's cell whose native run failed says so before its run with TORCHPATCH=1."""
+    page = tmp_path / "torchtitan.md"
+    old = [p for p in table.PARALLELS if p not in ("pp+fsdp+tp", "hsdp+tp")]
+    full = table.markdown([_result("0.1.0", ["2.4.1", "2.9.0", "2.15.0"])], old).splitlines()
+    page.write_text(f"intro\n{table.MARKERS[0]}\n" + "\n".join(full) + f"\n{table.MARKERS[1]}\noutro\n")
+    monkeypatch.setattr(table, "PAGE", page)
+    run = {"losses": [2.0, 1.0], "grad_norms": [1.0, 1.0], "weights": "w", "error": "", "vs_reference": 1e-7,
+           "is_reference": False, "reference": "one process", "same_weights": True}
+    refused = {**run, "error": "NotImplementedError: Using TP with HSDP is not supported", "vs_reference": None}
+    patched = {**run, "native_error": "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"}
+    table.write_columns({"hsdp+tp": {("0.1.0", "2.9.0"): table._cell(refused), ("0.1.0", "2.15.0"): table._cell(patched)},
+                         "pp+fsdp+tp": {("0.1.0", "2.9.0"): table._cell(run)}})
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    headers = [c.strip() for c in rows[0].split("|")[1:-1]]
+    assert headers == [c.strip() for c in full[0].split("|")[1:-1][:3 + len(old)]] + [
+        "pp+fsdp+tp", "hsdp+tp", "DCP save + resume", "DCP from the newest torch", table.OLDER_COLUMN]
+    cells = {row.split("|")[2].split()[0]: [c.strip() for c in row.split("|")[1:-1]] for row in rows[2:] if "cannot" not in row}
+    at = headers.index("pp+fsdp+tp")
+    assert cells["2.9.0"][at:at + 2] == ["trains, equal (1.0e-07) to one process",
+                                         "fails: `NotImplementedError: Using TP with HSDP is not supported`"]
+    assert cells["2.15.0"][at:at + 2] == ["", "natively `RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo`; "
+                                          "TORCHPATCH=1: trains, equal (1.0e-07) to one process"]
+    assert cells["2.4.1"][at:at + 2] == ["", ""]
+    for row, before in zip(rows, full):  # every other cell kept
+        assert [c for i, c in enumerate(row.split("|")) if i - 1 not in (at, at + 1)] == before.split("|")

@@ -22,7 +22,8 @@ from the step-2 checkpoint of the oldest torch's FSDP run from the seed checkpoi
 repeat the resuming torch's own uninterrupted run from the seed checkpoint. ``--write`` puts the table into
 ``docs/torchtitan.md`` between its torchtitan-table markers, replacing the rows of the release x torch
 pairs it ran and keeping the others; with ``--only-dcp-from-older`` it runs that last column alone and
-writes its cells into the page's rows.
+writes its cells into the page's rows, and with ``--only-parallel`` the ``--parallel`` columns alone (the
+seed, the newest torch's one process and native runs, each torch's runs), a column the page lacks added.
 """
 
 from __future__ import annotations
@@ -47,9 +48,9 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "torchtitan_cpu.py"
 PAGE = REPO / "docs" / "torchtitan.md"  # the docs page that holds the table
 MARKERS = ("<!-- torchtitan-table:start -->", "<!-- torchtitan-table:end -->")
-PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac")
-RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4}
-OLDER_COLUMN = "DCP older to newer"  # the header of dcp_from_older's column (written alone by write_column)
+PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac", "pp+fsdp+tp", "hsdp+tp")
+RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4, "pp+fsdp+tp": 8, "hsdp+tp": 8}
+OLDER_COLUMN = "DCP older to newer"  # the header of dcp_from_older's column (written alone by write_columns)
 TOLERANCE = 1e-5  # relative, per step (the issue's bar): float32 sums in another order, another parallelism or torch
 
 
@@ -195,9 +196,34 @@ def survey_dcp_from_older(torches: Dict[str, str], release: str, release_dir: st
         shutil.rmtree(work, ignore_errors=True)
 
 
+def train_cells(torches: Dict[str, str], release_dir: str, common: Sequence[str], parallels: Sequence[str],
+                native: Dict[str, Run]) -> Dict[str, Dict[str, dict]]:
+    """Each torch's run of each of ``parallels`` (TORCHPATCH=1; the newest torch's native run is the
+    reference, compared with its one process ``native["single"]``, which is the reference where the native
+    run failed: the newest torch then runs it with TORCHPATCH=1, and its cell keeps the native error).
+    torch -> parallelism -> the JSON-able cell."""
+    newest = list(torches)[-1]
+    reference = {p: run if not run.error else native["single"] for p, run in native.items()}
+    cells: Dict[str, Dict[str, dict]] = {}
+    for torch, python in torches.items():
+        row = cells.setdefault(torch, {})
+        for p in parallels:
+            is_reference = torch == newest and not native[p].error
+            run = native[p] if is_reference else run_example(python, release_dir, ["--parallel", p, *common],
+                                                             RANKS[p], True)
+            row[p] = {**asdict(run), "is_reference": is_reference,
+                      "reference": "native" if not native[p].error else "one process",
+                      "same_weights": run.weights == reference[p].weights,
+                      "vs_reference": compare(run, native["single"] if is_reference else reference[p])}
+            if torch == newest and native[p].error:
+                row[p]["native_error"] = native[p].error
+    return cells
+
+
 def survey_release(torches: Dict[str, str], release: str, release_dir: str, steps: int,
-                   parallels: Sequence[str]) -> dict:
-    """Every run of one release; a JSON-able dict."""
+                   parallels: Sequence[str], only_parallels: bool = False) -> dict:
+    """Every run of one release (with ``only_parallels``, the ``parallels`` columns' runs alone); a
+    JSON-able dict."""
     work = Path(tempfile.mkdtemp(prefix=f"titan-table-{release}-"))
     try:
         newest = list(torches)[-1]
@@ -207,25 +233,17 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
             return result
         torches = {t: p for t, p in torches.items() if t not in result["cannot_start"]}
         common = ["--steps", str(steps), "--seed-checkpoint", seed]
-        patched_fsdp: Dict[str, Run] = {}  # torch -> its FSDP run from the seed with TORCHPATCH=1
+        natives = ("single", *parallels) if only_parallels else ("single", "fsdp", *parallels)  # fsdp: the native column
         native = {p: run_example(torches[newest], release_dir, ["--parallel", p, *common], RANKS[p], False)
-                  for p in dict.fromkeys(("single", "fsdp", *parallels))}  # fsdp: the native column
-        # where the newest torch's native run fails, its one process over the same global batch is the reference
-        reference = {p: run if not run.error else native["single"] for p, run in native.items()}
+                  for p in dict.fromkeys(natives)}
+        result["runs"] = train_cells(torches, release_dir, common, parallels, native)
+        if only_parallels:
+            return result
         newest_dcp = str(work / "ckpt-newest")
         for torch, python in torches.items():
-            row: dict = {"native_fsdp_error": (native["fsdp"] if torch == newest else run_example(
-                python, release_dir, ["--parallel", "fsdp", *common], 2, False)).error}
-            for p in parallels:
-                is_reference = torch == newest and not native[p].error
-                run = native[p] if is_reference else run_example(python, release_dir, ["--parallel", p, *common],
-                                                                 RANKS[p], True)
-                if p == "fsdp" and not is_reference:
-                    patched_fsdp[torch] = run
-                row[p] = {**asdict(run), "is_reference": is_reference,
-                          "reference": "native" if not native[p].error else "one process",
-                          "same_weights": run.weights == reference[p].weights,
-                          "vs_reference": compare(run, native["single"] if is_reference else reference[p])}
+            row = result["runs"][torch]
+            row["native_fsdp_error"] = (native["fsdp"] if torch == newest else run_example(
+                python, release_dir, ["--parallel", "fsdp", *common], 2, False)).error
             row["dcp_resume"] = dcp_resume(python, release_dir, str(work / f"ckpt-{torch}"), steps, True)
             if torch == newest:
                 row["dcp_from_newest"] = {"saves": True}
@@ -233,7 +251,8 @@ def survey_release(torches: Dict[str, str], release: str, release_dir: str, step
                 shutil.rmtree(newest_dcp, ignore_errors=True)
                 row["dcp_from_newest"] = dcp_resume(torches[newest], release_dir, newest_dcp, steps, True,
                                                     resume_python=python, save_torchpatch=bool(native["fsdp"].error))
-            result["runs"][torch] = row
+        patched_fsdp = {torch: Run(*(row["fsdp"][k] for k in Run.__dataclass_fields__))
+                        for torch, row in result["runs"].items() if "fsdp" in row and not row["fsdp"]["is_reference"]}
         for torch, outcome in dcp_from_older(torches, release_dir, seed, work, steps, patched_fsdp).items():
             result["runs"][torch]["dcp_from_older"] = outcome
         return result
@@ -248,6 +267,8 @@ def _commit() -> str:
 
 
 def _cell(run: dict) -> str:
+    if run.get("native_error"):  # the newest torch's native run failed: this is its run with TORCHPATCH=1
+        return f"natively `{run['native_error']}`; TORCHPATCH=1: " + _cell({**run, "native_error": ""})
     if run["error"]:
         return f"fails: `{run['error']}`"
     diff = run["vs_reference"]
@@ -314,23 +335,31 @@ def write_page(table: str) -> None:
     PAGE.write_text(text[:start] + "\n" + "\n".join(header + rows) + "\n" + text[end:])
 
 
-def write_column(results: List[dict]) -> None:
-    """Put the "DCP older to newer" cells of ``results`` (``survey_dcp_from_older``) into the page's
-    rows of their release x torch pairs, the other cells kept; the column is added where the page lacks it."""
+def write_columns(columns: Dict[str, Dict[tuple, str]]) -> None:
+    """Put ``columns`` (header -> (release, torch) -> cell) into the page's rows of their release x torch
+    pairs, the other cells kept. A column the page lacks is added, empty in the other rows: a
+    parallelism's before "DCP save + resume" (in ``PARALLELS``' order), "DCP older to newer" last."""
     text = PAGE.read_text()
     start, end = text.index(MARKERS[0]) + len(MARKERS[0]), text.index(MARKERS[1])
     rows = [row.split("|")[1:-1] for row in text[start:end].strip().splitlines()]  # cells with their spaces
-    if rows[0][-1].strip() != OLDER_COLUMN:
-        for cells, added in zip(rows, [f" {OLDER_COLUMN} ", "---"] + [" "] * (len(rows) - 2)):
-            cells.append(added)
-    new = {(r["release"], torch): _dcp_from_older(row["dcp_from_older"])
-           for r in results for torch, row in r["runs"].items()}
+    for header in columns:
+        headers = [cell.strip() for cell in rows[0]]
+        if header in headers:
+            continue
+        at = len(headers) if header == OLDER_COLUMN else 1 + max(
+            i for i, h in enumerate(headers) if h == "natively (FSDP)" or h in PARALLELS[:PARALLELS.index(header)])
+        for cells, added in zip(rows, [f" {header} ", "---"] + [" "] * (len(rows) - 2)):
+            cells.insert(min(at, len(cells)), added)
+    headers = [cell.strip() for cell in rows[0]]
+    new = {(key, header): cell for header, cells in columns.items() for key, cell in cells.items()}
     for cells in rows[2:]:
         key = _row_key("|" + "|".join(cells) + "|")
-        if key in new:
-            cells[-1] = f" {new.pop(key)} "
+        cells.extend([" "] * (len(headers) - len(cells)))  # a row that cannot start: its empty cells
+        for header in columns:
+            if (key, header) in new:
+                cells[headers.index(header)] = f" {new.pop((key, header))} "
     if new:
-        raise SystemExit(f"no row in {PAGE.name} for {sorted(new)}: run the whole table for them first")
+        raise SystemExit(f"no row in {PAGE.name} for {sorted({key for key, _ in new})}: run the whole table for them first")
     PAGE.write_text(text[:start] + "\n" + "\n".join("|" + "|".join(cells) + "|" for cells in rows) + "\n" + text[end:])
 
 
@@ -363,15 +392,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
     parser.add_argument("--only-dcp-from-older", action="store_true",
                         help=f"run only the {OLDER_COLUMN!r} column (--write: its cells alone, in the page's rows)")
+    parser.add_argument("--only-parallel", action="store_true",
+                        help="run only the --parallel columns (--write: their cells alone, in the page's rows)")
     args = parser.parse_args(argv)
     if not args.from_json and (not args.torch or not args.release):
         parser.error("--torch and --release are needed (or --from-json)")
+    if args.only_parallel and not args.parallel:
+        parser.error("--only-parallel needs --parallel")
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text())
     else:
         torches, releases = _pairs(args.torch, "torch"), _pairs(args.release, "release")
         results = [survey_dcp_from_older(torches, release, path, args.steps) if args.only_dcp_from_older
-                   else survey_release(torches, release, path, args.steps, args.parallel or PARALLELS)
+                   else survey_release(torches, release, path, args.steps, args.parallel or PARALLELS, args.only_parallel)
                    for release, path in releases.items()]
         print("measured at " + ", ".join(f"{r['release']}: {r['commit']}" for r in results), file=sys.stderr)
         if args.json:
@@ -381,7 +414,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{r['release']} (seed by {r['seed_by']}, at {r['commit']}): " + "; ".join(
                 f"{torch}: {_dcp_from_older(row['dcp_from_older'])}" for torch, row in r["runs"].items()))
         if args.write:
-            write_column(results)
+            write_columns({OLDER_COLUMN: {(r["release"], torch): _dcp_from_older(row["dcp_from_older"])
+                                          for r in results for torch, row in r["runs"].items()}})
+        return 0
+    if args.only_parallel:
+        columns = {p: {(r["release"], torch): _cell(row[p]) for r in results for torch, row in r["runs"].items()}
+                   for p in args.parallel}
+        for r in results:
+            print(f"{r['release']} (seed by {r['seed_by']}, at {r['commit']}): " + "; ".join(
+                f"{torch} {p}: {columns[p][r['release'], torch]}" for torch in r["runs"] for p in args.parallel))
+        if args.write:
+            write_columns(columns)
         return 0
     table = markdown(results, args.parallel or PARALLELS)
     print(table)

@@ -217,6 +217,7 @@ class Installation:
         except (Exception, SystemExit) as exc:
             self._fail(patch, where, exc)
             return None
+        patcher.settle(self._journal.record(patch.id).add)  # later changes: recorded as they are made
         self._mark(patch, NOT_NEEDED if result is False else APPLIED)
         return patcher
 

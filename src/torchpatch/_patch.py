@@ -31,16 +31,45 @@ class Patcher:
 
     A hook receives one and uses :meth:`wrap` and :meth:`setattr` instead of assigning directly;
     :meth:`undo` restores every original, in reverse order.
+
+    A hook may keep its patcher and change more through it after it has returned (a wrap installed
+    on the first use of a feature, off the hot path until then): each such later change joins the
+    patch's record when it is made, so it is undone with the patch, in order with every change made
+    since (another patch's wrap of the same attribute included), and on a reload of the module. Once
+    the patcher's changes have been undone (the patch taken back, or its hook run again), a change
+    through it raises ``RuntimeError``.
     """
 
     def __init__(self) -> None:
         self._undo: List[Tuple[Any, str, Any]] = []
+        self._later: Optional[Callable[[Callable[[], None]], None]] = None
+        self._undone = False
+
+    def settle(self, record: Callable[[Callable[[], None]], None]) -> None:
+        """Engine side, once the hook has returned: from now on each change is recorded through
+        ``record(undo)`` as it is made (and undone by :meth:`undo` too, for a reload)."""
+        self._later = record
+
+    def _live(self) -> None:
+        if self._undone:
+            raise RuntimeError("torchpatch: this patcher's changes were taken back (the patch was uninstalled, "
+                               "failed, or applied again): it cannot change anything more")
+
+    def _note(self, entry: Tuple[Any, str, Any]) -> None:
+        if self._later is None:
+            self._undo.append(entry)
+            return
+        later = Patcher()
+        later._undo.append(entry)
+        self._undo.append((later.undo, "", _CALL))  # a reload undoes it with the rest of the hook's run
+        self._later(later.undo)  # the patch's record undoes it in its place among all changes
 
     def setattr(self, owner: Any, name: str, value: Any) -> None:
         """``setattr(owner, name, value)``, remembering what ``owner`` itself held before."""
+        self._live()
         previous = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else _MISSING
         setattr(owner, name, value)
-        self._undo.append((owner, name, previous))
+        self._note((owner, name, previous))
 
     def wrap(self, owner: Any, name: str, wrapper: Callable[..., Any]) -> Any:
         """Wrap ``owner.name`` with a wrapt ``wrapper(wrapped, instance, args, kwargs)``."""
@@ -56,7 +85,8 @@ class Patcher:
     def on_undo(self, restore: Callable[[], None]) -> None:
         """Call ``restore()`` on :meth:`undo`, in order with the rest: for a change that is not an
         attribute (a switch kept in C++, a registry entry)."""
-        self._undo.append((restore, "", _CALL))
+        self._live()
+        self._note((restore, "", _CALL))
 
     @property
     def changed(self) -> bool:
@@ -76,6 +106,7 @@ class Patcher:
         return names
 
     def undo(self) -> None:
+        self._undone = True
         while self._undo:
             owner, name, previous = self._undo.pop()
             if previous is _CALL:

@@ -2,7 +2,7 @@
 
 import dataclasses
 import functools
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 # OpDispatcher's module: torch 2.2-2.4, then 2.5 and later.
 DISPATCH_MODULES = ("torch.distributed._tensor._dispatch", "torch.distributed.tensor._dispatch")
@@ -118,3 +118,24 @@ def wrap_transform_plan(patcher: Any, redistribute: Any, wrapper: Callable[..., 
                         functools.lru_cache(maxsize=None)(wrapt.FunctionWrapper(cached.__wrapped__, wrapper)))
         return True
     return False
+
+
+_passing: Dict[type, type] = {}  # an exception type: its subclass that passes DTensor's dispatcher
+
+
+def passing_dispatch(exc_type: type, op: Any) -> type:
+    """``exc_type``, or a subclass of it that DTensor's dispatcher lets through as it is: it turns any
+    error of sharding propagation into ``RuntimeError("Sharding propagation failed for ...")`` (2.9:
+    without the words), but re-raises a ``NotImplementedError`` of an op torch does not decompose.
+    The subclass is named as ``exc_type`` (``IndexError``, ``RuntimeError``): ``except IndexError``
+    catches it and tracebacks print the type torch prints."""
+    import torch
+
+    if issubclass(exc_type, NotImplementedError) or torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        return exc_type
+    if exc_type not in _passing:
+        bases = (NotImplementedError,) if issubclass(NotImplementedError, exc_type) else (exc_type, NotImplementedError)
+        _passing[exc_type] = type(exc_type.__name__, bases, {"__module__": exc_type.__module__,
+                                                             "__doc__": exc_type.__doc__})
+    return _passing[exc_type]

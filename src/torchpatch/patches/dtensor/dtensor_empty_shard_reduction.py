@@ -40,7 +40,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, route_sharding_cache
+from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, passing_dispatch, route_sharding_cache
 
 PATCH = Patch(
     id="dtensor-empty-shard-reduction",
@@ -58,7 +58,6 @@ _OPS = (("amax", "default"), ("amin", "default"), ("max", "default"), ("min", "d
         ("min", "dim"), ("argmax", "default"), ("argmin", "default"), ("aminmax", "default"),
         ("linalg_vector_norm", "default"), ("_foreach_norm", "Scalar"))  # these two: ord=inf/-inf only
 _ops: Dict[str, FrozenSet[Any]] = {}
-_passing: Dict[type, type] = {}  # an exception type: its subclass that passes DTensor's dispatcher
 
 
 def _reductions() -> FrozenSet[Any]:
@@ -95,24 +94,6 @@ def _local_shapes(shape: Sequence[int], mesh_shape: Sequence[int], placements: S
     return shapes
 
 
-def _passing_dispatch(exc_type: type, op: Any) -> type:
-    """``exc_type``, or a subclass of it that DTensor's dispatcher lets through as it is: it turns any
-    error of sharding propagation into ``RuntimeError("Sharding propagation failed for ...")`` (2.9:
-    without the words), but re-raises a ``NotImplementedError`` of an op torch does not decompose.
-    The subclass is named as ``exc_type`` (``IndexError``, ``RuntimeError``): ``except IndexError``
-    catches it and tracebacks print the type torch prints."""
-    import torch
-
-    if issubclass(exc_type, NotImplementedError) or torch._C._dispatch_has_kernel_for_dispatch_key(
-            op.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
-        return exc_type
-    if exc_type not in _passing:
-        bases = (NotImplementedError,) if issubclass(NotImplementedError, exc_type) else (exc_type, NotImplementedError)
-        _passing[exc_type] = type(exc_type.__name__, bases, {"__module__": exc_type.__module__,
-                                                             "__doc__": exc_type.__doc__})
-    return _passing[exc_type]
-
-
 def _empty_shard_error(op_schema: Any, spec_schema: Any, local_op: Callable[..., Any]) -> Optional[BaseException]:
     """The error ``local_op`` (the op, or what its handler runs on the shard) raises on the first
     rank whose shard of the input (as ``spec_schema`` places it) is empty, made to reach the caller
@@ -139,7 +120,7 @@ def _empty_shard_error(op_schema: Any, spec_schema: Any, local_op: Callable[...,
                         f"{tuple(shape)} of {tuple(meta.shape)} placed {tuple(spec.placements)}: torch raises this "
                         "there alone, and the other ranks wait in their next collective.)")
                 try:
-                    return _passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
+                    return passing_dispatch(type(exc), op_schema.op)(f"{exc}{note}")
                 except Exception:
                     return exc
     return None

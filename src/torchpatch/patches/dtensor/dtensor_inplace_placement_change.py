@@ -38,7 +38,9 @@ Fix:           (1) those in-place ops (and their foreach forms) get torch 2.13's
                redistributes the arguments of any other in-place op (a schema name ending in
                ``_``), the placements asked for its first argument (each tensor of the list, for
                the foreach ops) are compared with the ones it has; if they differ, torch 2.13's
-               ``RuntimeError`` is raised in its words (and what this torch would have done). In-place
+               ``RuntimeError`` is raised in its words (and what this torch would have done). The
+               check runs where DTensor decides the op's sharding, on a sharding-cache miss (the cache
+               keeps no error), as torch 2.13 raises there: not on every call of an op whose inputs move. In-place
                ops that keep ``self``'s placements (``add_`` of partials, ``zero_``, ...) run as before.
 Upstream:      https://github.com/pytorch/pytorch/issues/163374 (the report); torch 2.13 raises from
                its single-dim strategy expansion (https://github.com/pytorch/pytorch/pull/172477)
@@ -56,8 +58,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
 from torchpatch.patches.dtensor._internals import (DISPATCH_MODULES, POINTWISE_MODULES, REDISTRIBUTE_MODULES, forget_shardings,
-                                         operand_placements, partial_reduction, placement_types, set_strategy,
-                                         sharding_propagator, with_placements, wrap_transform_plan)
+                                         operand_placements, partial_reduction, passing_dispatch, placement_types,
+                                         route_sharding_cache, set_strategy, sharding_propagator, with_placements,
+                                         wrap_transform_plan)
 
 PATCH = Patch(
     id="dtensor-inplace-placement-change",
@@ -78,20 +81,36 @@ def _specs(arg: Any) -> List[Any]:
     return [s for s in items if hasattr(s, "placements")]
 
 
-def _refuse_self_redistribution(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    op_info = args[0] if args else kwargs["op_info"]
-    suggested = args[1] if len(args) > 1 else kwargs["suggested_input_schema"]
-    schema = op_info.schema
+def _check_self_redistribution(schema: Any, suggested: Any) -> None:
+    """Raise torch 2.13's error where an in-place op's ``self`` would be redistributed to ``suggested``."""
     if schema.op._schema.name.endswith("_") and schema.args_schema and suggested.args_schema:
         for have, want in zip(_specs(schema.args_schema[0]), _specs(suggested.args_schema[0])):
             if tuple(have.placements) != tuple(want.placements):
-                raise RuntimeError(
+                raise passing_dispatch(RuntimeError, schema.op)(  # not rewrapped by DTensor's dispatcher
                     f"{schema.op}: {_UPSTREAM_MESSAGE} are not supported. The input has placement "
                     f"{tuple(have.placements)}, but no valid strategy preserves this placement. Please use "
                     "the out-of-place version of this operation instead. (torchpatch "
                     "dtensor-inplace-placement-change: torch 2.13 and later raise this error; this torch would "
                     f"run the op on a copy redistributed to {tuple(want.placements)} and leave the DTensor "
                     "unchanged.)")
+
+
+def _refuse_in_propagation(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``ShardingPropagator.propagate_op_sharding_non_cached(op_schema)``, only on a sharding-cache miss
+    (the cache keeps no error: an op refused is refused on every call), as torch 2.13 refuses in its
+    strategy expansion; an op whose inputs move makes no call here once its sharding is cached."""
+    sharding = wrapped(*args, **kwargs)
+    suggested = getattr(sharding, "redistribute_schema", None)
+    if getattr(sharding, "needs_redistribute", False) and suggested is not None:
+        _check_self_redistribution(args[0] if args else kwargs["op_schema"], suggested)
+    return sharding
+
+
+def _refuse_self_redistribution(wrapped: Callable[..., Any], instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """``OpDispatcher.redistribute_local_args(op_info, suggested_input_schema)``, where the
+    propagator has no uncached method to wrap."""
+    op_info = args[0] if args else kwargs["op_info"]
+    _check_self_redistribution(op_info.schema, args[1] if len(args) > 1 else kwargs["suggested_input_schema"])
     return wrapped(*args, **kwargs)
 
 
@@ -115,7 +134,15 @@ def refuse_inplace_redistribution(patcher: Patcher, dispatch: ModuleType) -> boo
         return False
     if getattr(dispatcher, "_torchpatch_inplace_checked", False) or _fixed_upstream(dispatch):
         return False
-    patcher.wrap(dispatcher, "redistribute_local_args", _refuse_self_redistribution)
+    propagator = getattr(dispatch, "ShardingPropagator", None)
+    if propagator is not None and hasattr(propagator, "propagate_op_sharding_non_cached"):
+        patcher.wrap(propagator, "propagate_op_sharding_non_cached", _refuse_in_propagation)
+        api = sys.modules.get("torch.distributed.tensor._api") or sys.modules.get("torch.distributed._tensor.api")
+        existing = getattr(getattr(api, "DTensor", None), "_op_dispatcher", None)
+        if existing is not None:  # DTensor imported before torchpatch was installed
+            route_sharding_cache(patcher, existing.sharding_propagator)
+    else:
+        patcher.wrap(dispatcher, "redistribute_local_args", _refuse_self_redistribution)
     patcher.setattr(dispatcher, "_torchpatch_inplace_checked", True)
     return True
 

@@ -110,6 +110,8 @@ class Runtime:
                  callback: Callable[[Any], None], reduce_needs_unshard: bool) -> None:
         self.state_type, self.training_state, self.ddp_mesh_info = state_type, training_state, ddp_mesh_info
         self.callback, self.reduce_needs_unshard = callback, reduce_needs_unshard
+        # Wraps FSDPState's per-step methods with the hooks below, once; None once done (or the patch undone).
+        self.wrap_hot_path: Optional[Callable[[], None]] = None
 
     def all_groups(self, state: Any) -> List[Any]:
         return [group for each in state._state_ctx.all_states for group in _groups(each)]
@@ -241,6 +243,8 @@ class Runtime:
             active = state_ctx.manual_backward_finalization_active
             if active is not None and enabled != active:
                 raise RuntimeError(_MODE_ERRORS["after"])
+            if enabled and runtime.wrap_hot_path is not None:
+                runtime.wrap_hot_path()
             state_ctx.manual_backward_finalization = enabled
 
         def finalize_backward(self: Any, *, async_op: bool = False) -> Optional[GradientReductionHandle]:

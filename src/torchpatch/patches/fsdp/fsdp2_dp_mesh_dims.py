@@ -1,42 +1,49 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
-where only the data-parallel dims of the full mesh have more than one rank, torch 2.9-2.11.
+(FSDP2 over a full SPMD mesh: FSDP, HSDP, FSDP+TP, HSDP+TP), torch 2.9-2.11.
 
 What breaks:   torchtitan 0.3 (its default ``spmd_backend="spmd_types"``) shards with
                ``fully_shard(block, mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``
-               whenever its storage mesh has more than one rank; before torch 2.12 every FSDP run
-               stops at ``TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'``.
-Torch:         2.12 added the argument (FSDP2 over a full SPMD mesh: parameters that are DTensors on
-               the full mesh, or, from 2.14, plain parameters annotated by spmd_types); 2.9-2.11's
-               ``fully_shard`` takes the data-parallel mesh itself.
-Fix:           where every other dim of the full mesh has one rank and no parameter is a DTensor
-               (torchtitan's FSDP and FSDP+PP runs: plain parameters annotated by spmd_types, ``tp``/
-               ``cp``/``ep`` of size one), sharding over the full mesh is sharding over its
-               data-parallel dims: this torch's ``fully_shard`` runs on ``mesh[shard]`` (several
-               shard dims flattened into one; ``(replicate, shard)`` for HSDP), as torch 2.15 shards
-               and reduces over those dims. A plain parameter raises 2.15's ``ValueError`` unless it carries spmd_types
-               annotations that 2.14's translation accepts (fsdp2-spmd-types' resolution: complete
-               on the full mesh, ``spmd.R`` on the data-parallel axes). The sharded
-               parameters are DTensors on the data-parallel mesh, not on the full mesh (the other
-               dims have one rank: the same shards, one placement per data-parallel dim). Otherwise (a tensor-parallel dim of several ranks, DTensor parameters on the full
-               mesh) it raises ``NotImplementedError``: FSDP2's SPMD-mesh parameter path
-               (``FSDPParam._init_sharding_spec_spmd``, ``_StridedShard`` over dims that share a
-               tensor dim) is not served (not_backportable.json). Without ``dp_mesh_dims``,
-               ``fully_shard`` is this torch's.
+               whenever its storage mesh has more than one rank; before torch 2.12 every FSDP, TP and
+               FSDP+TP run stops at ``TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'``.
+Torch:         2.12 added the argument (parameters that are DTensors on the full mesh; from 2.14 plain
+               parameters annotated by spmd_types too); 2.9-2.11's ``fully_shard`` takes the
+               data-parallel mesh itself, and TP parameters as DTensors on a TP mesh of the same root.
+Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh ``mesh[shard]`` (several
+               shard dims flattened into one; ``(replicate, shard)`` for HSDP). Where every other dim has
+               one rank and parameters are plain, nothing else changes (the shards are 2.15's; the
+               sharded parameters are DTensors on the data-parallel mesh). Otherwise (a TP dim of several
+               ranks) each spmd_types-annotated parameter first becomes a DTensor on
+               the sub-mesh of the non-data-parallel dims with its full-mesh placements there (an
+               spmd_types-annotated one resolved as 2.14 does: fsdp2-spmd-types' resolution and
+               ``ValueError``s), which is this torch's native FSDP+TP / HSDP+TP input: the sharded
+               parameters are DTensors on ``root[dp dims + other dims]`` (the full mesh where it is one
+               mesh) with 2.15's placements (``_StridedShard`` on the dp dim where TP shards the same
+               tensor dim). As 2.15: the unsharded parameter stays plain; the gradient (plain, with the
+               annotation's backward placements) is reduced over the TP dims to the parameter's placements there and by
+               FSDP over the data-parallel ones. Not served (``NotImplementedError``): several replicate
+               dims, replicate only, HSDP over several shard dims, a non-data-parallel dim before a
+               data-parallel one, more than two non-data-parallel dims of several ranks (this FSDP2 takes
+               1-D TP/EP or 2-D EP+TP), DTensor parameters on the full mesh (torchtitan's
+               ``full_dtensor`` backend: measured with 2.13's losses and placements but not its
+               gradients, so refused);
+               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
+               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-dp-mesh-dims",
-    summary="fully_shard(mesh=full_mesh, dp_mesh_dims=...) where only the data-parallel dims have several "
-            "ranks: sharded over those dims",
+    summary="fully_shard(mesh=full_mesh, dp_mesh_dims=...): FSDP/HSDP (+TP) over a full SPMD mesh, as this "
+            "torch's FSDP2 over the data-parallel sub-mesh with TP DTensor parameters",
     torch=">=2.9,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py",
     behaviour="fully_shard(dp_mesh_dims=...)",
@@ -60,12 +67,28 @@ def _unserved(why: str) -> NotImplementedError:
 
     return NotImplementedError(
         f"fully_shard(dp_mesh_dims=...) {why}: FSDP2 over a full SPMD mesh (torch 2.12's "
-        f"FSDPParam._init_sharding_spec_spmd) is not served on torch {torch.__version__}; torchpatch shards "
-        "over the data-parallel dims only where every other mesh dim has one rank and parameters are plain tensors")
+        f"FSDPParam._init_sharding_spec_spmd) is served on torch {torch.__version__} only as this torch's "
+        "FSDP2 (+TP) over the data-parallel sub-mesh, with at most two non-data-parallel dims after the "
+        "data-parallel ones")
+
+
+@dataclass(frozen=True)
+class _Spmd:
+    """What 2.15 keeps of a parameter on the full mesh, for one this torch shards as FSDP+TP:
+    ``spec`` (its DTensor spec there), ``plain`` (spmd_types: the unsharded parameter stays a plain
+    tensor), ``grad_placements`` (spmd_types: its gradient's, on the full mesh), ``kept`` (the full
+    mesh's dims that the TP sub-mesh keeps)."""
+
+    spec: Any
+    plain: bool
+    grad_placements: Tuple[Any, ...]
+    kept: Tuple[int, ...]
 
 
 def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
-    """The data-parallel mesh that sharding over ``dp_mesh_dims`` of the full ``mesh`` amounts to."""
+    """The data-parallel mesh that sharding over ``dp_mesh_dims`` of the full ``mesh`` amounts to;
+    where other dims have several ranks or parameters are DTensors on ``mesh``, the module's
+    parameters become DTensors on the other dims' sub-mesh first (this torch's FSDP+TP input)."""
     from torch.distributed.tensor import DTensor
 
     names = mesh.mesh_dim_names if mesh is not None else None
@@ -75,31 +98,48 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
     missing = [name for name in shard + replicate if name not in names]
     if missing:
         raise ValueError(f"dp_mesh_dims names {missing} not in the mesh's dims {list(names)}")
-    others = [name for name in names if name not in shard + replicate and mesh[name].size() > 1]
-    if others:
-        raise _unserved(f"with mesh dims {others} of several ranks beside the data-parallel ones")
-    if len(replicate) > 1 or (replicate and len(shard) != 1):
-        raise _unserved("with several replicate dims, or HSDP over several shard dims")
+    if len(replicate) > 1:
+        raise _unserved("with several replicate dims")
     if not shard:
         raise _unserved("with replicate dims only (DDP over the full mesh)")
+    if replicate and len(shard) > 1:
+        raise _unserved("with HSDP over several shard dims")
     if replicate:
         dp_mesh = mesh[replicate + shard]
     else:
         dp_mesh = mesh[shard] if len(shard) == 1 else mesh[shard]._flatten()
-    modules = module if isinstance(module, (list, tuple)) else [module]
-    for m in modules:
-        for name, param in m.named_parameters():
-            if isinstance(param, DTensor):  # a submodule's, sharded by an earlier fully_shard: on dp_mesh
-                if param.device_mesh != dp_mesh:
-                    raise _unserved("with DTensor parameters (on the full mesh or another one)")
-            elif param not in ignored:
-                _check_annotation(name.rsplit(".", 1)[-1], param, mesh, dp_mesh_dims)
+    params = _unmanaged_params(module, ignored)
+    others = [name for name in names if name not in shard + replicate]
+    several = [name for name in others if mesh[name].size() > 1]
+    if not several and not any(isinstance(param, DTensor) for _, _, param in params):
+        for _, name, param in params:
+            _storage(name, param, mesh, dp_mesh_dims)  # 2.15's errors for plain parameters
+        return dp_mesh
+    _to_tp_params(params, mesh, dp_mesh_dims, others, several)
     return dp_mesh
 
 
-def _check_annotation(name: str, param: Any, mesh: Any, dp_mesh_dims: Any) -> None:
-    """torch 2.15's demands on a plain parameter (its ``ValueError``s): spmd_types annotations that
-    complete on the full mesh, ``spmd.R`` on the data-parallel axes (fsdp2-spmd-types' resolution)."""
+def _unmanaged_params(module: Any, ignored: Any) -> List[Tuple[Any, str, Any]]:
+    """(owner, name, parameter) of the parameters this ``fully_shard`` call manages: not ignored,
+    not under a submodule that an earlier ``fully_shard`` call manages."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots = module if isinstance(module, (list, tuple)) else [module]
+    out, seen, stack = [], set(), list(roots)
+    while stack:
+        m = stack.pop()
+        for name, param in m._parameters.items():
+            if param is not None and id(param) not in seen and param not in ignored:
+                seen.add(id(param))
+                out.append((m, name, param))
+        stack.extend(child for child in m.children() if not isinstance(child, FSDPModule))
+    return out
+
+
+def _storage(name: str, param: Any, mesh: Any, dp_mesh_dims: Any) -> Tuple[Any, Tuple[Any, ...]]:
+    """A plain parameter's DTensor on the full mesh and its gradient's placements there, as 2.15
+    makes them of spmd_types annotations (fsdp2-spmd-types' resolution, its ``ValueError``s);
+    torch 2.15's ``ValueError`` for a plain parameter without them."""
     import importlib.util
     from types import SimpleNamespace
 
@@ -112,7 +152,96 @@ def _check_annotation(name: str, param: Any, mesh: Any, dp_mesh_dims: Any) -> No
                          f"(e.g. via distribute_module). Got plain tensor for parameter '{name}'.")
     fsdp_param = SimpleNamespace(_module_info=SimpleNamespace(param_name=name),
                                  mesh_info=SimpleNamespace(spmd_mesh=mesh, dp_mesh_dims=dp_mesh_dims))
-    _storage_dtensor(spmd, fsdp_param, param, local_type)
+    dtensor = _storage_dtensor(spmd, fsdp_param, param, local_type)
+    return dtensor, fsdp_param._spmd_grad_placements
+
+
+def _to_tp_params(params: List[Tuple[Any, str, Any]], mesh: Any, dp_mesh_dims: Any, others: List[str],
+                  several: List[str]) -> None:
+    """Replace each parameter by a DTensor on the sub-mesh of the non-data-parallel dims (at most two:
+    this torch's FSDP2 takes 1-D TP/EP or 2-D EP+TP), remembering its full-mesh spec (:class:`_Spmd`)."""
+    import torch.nn as nn
+    from torch.distributed.tensor import DTensor
+
+    names = list(mesh.mesh_dim_names)
+    dp_names = set(dp_mesh_dims.shard_names + dp_mesh_dims.replicate_names)
+    if not others:
+        raise _unserved("with DTensor parameters on a mesh of data-parallel dims only")
+    if max(names.index(name) for name in dp_names) > min(names.index(name) for name in others):
+        raise _unserved(f"with mesh dims {others} not all after the data-parallel ones")
+    tp_names = others if len(others) <= 2 else several
+    if len(tp_names) > 2:
+        raise _unserved(f"with {len(tp_names)} non-data-parallel dims of several ranks {tp_names}")
+    kept = tuple(names.index(name) for name in tp_names)
+    tp_mesh = mesh[tuple(tp_names)] if len(tp_names) > 1 else mesh[tp_names[0]]
+    for owner, name, param in params:
+        if isinstance(param, DTensor):
+            # measured on a (dp_shard 2, tp 2) mesh: 2.13's losses and placements, not its gradients
+            raise _unserved("with DTensor parameters on the full mesh (spmd_backend='full_dtensor'; "
+                            "spmd_types-annotated plain parameters are served)")
+        full, grad_placements = _storage(name, param, mesh, dp_mesh_dims)
+        plain = True
+        tp_param = nn.Parameter(DTensor.from_local(
+            full._local_tensor, tp_mesh, [full.placements[i] for i in kept], run_check=False, shape=full.shape,
+            stride=full.stride()), requires_grad=param.requires_grad)
+        tp_param._torchpatch_spmd = _Spmd(full._spec, plain, tuple(grad_placements), kept)
+        owner._parameters[name] = tp_param
+
+
+def _init_sharded_param(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    param = args[0] if args else kwargs["param"]
+    spmd = getattr(param, "_torchpatch_spmd", None)
+    if spmd is not None:
+        instance._torchpatch_spmd = spmd
+    return wrapped(*args, **kwargs)
+
+
+def _init_unsharded_param(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """2.15's unsharded parameter: plain (spmd_types) or a DTensor on the full mesh."""
+    spmd = getattr(instance, "_torchpatch_spmd", None)
+    if spmd is None:
+        return wrapped(*args, **kwargs)
+    tp_spec = instance._tp_spec
+    if spmd.plain:
+        instance.is_dtensor = False
+    else:
+        instance._tp_spec = spmd.spec
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        instance.is_dtensor, instance._tp_spec = True, tp_spec
+
+
+def _get_grad_inner_tensor(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    """The unsharded gradient (plain with the annotation's backward placements, or a DTensor on the full
+    mesh) as a DTensor on the TP sub-mesh: this torch reduces it over the TP dims; FSDP, over the
+    data-parallel ones (as 2.15 skips them)."""
+    spmd = getattr(instance, "_torchpatch_spmd", None)
+    if spmd is None:
+        return wrapped(*args, **kwargs)
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+
+    grad = args[0] if args else kwargs.pop("grad")
+    if isinstance(grad, AsyncCollectiveTensor):
+        grad = grad.wait()
+    if isinstance(grad, DTensor):
+        grad, placements = grad._local_tensor, grad.placements
+    else:
+        placements = spmd.grad_placements
+    grad = DTensor.from_local(grad, instance._tp_spec.mesh, [placements[i] for i in spmd.kept], run_check=False,
+                              shape=instance._tp_spec.shape, stride=instance._tp_spec.stride)
+    return wrapped(grad, *args[1:], **kwargs)
+
+
+def _patch_fsdp_param(patcher: Patcher, param_module: ModuleType) -> bool:
+    fsdp_param_type = param_module.FSDPParam
+    if hasattr(fsdp_param_type, "_init_sharding_spec_spmd") or not hasattr(fsdp_param_type, "_get_grad_inner_tensor"):
+        return False  # torch >= 2.12 shards over the full mesh itself
+    patcher.wrap(fsdp_param_type, "_init_sharded_param", _init_sharded_param)
+    patcher.wrap(fsdp_param_type, "init_unsharded_param", _init_unsharded_param)
+    patcher.wrap(fsdp_param_type, "_get_grad_inner_tensor", _get_grad_inner_tensor)
+    return True
 
 
 def _with_dp_mesh_dims(fully_shard: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,3 +269,4 @@ def _patch_home(patcher: Patcher, home: ModuleType) -> bool:
 
 for _home in HOMES:
     PATCH.on_import(_home)(_patch_home)
+PATCH.on_import("torch.distributed.fsdp._fully_shard._fsdp_param")(_patch_fsdp_param)

@@ -18,7 +18,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/149781 (gloo gained AVG, 
 """
 
 import inspect
-from typing import Any, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
 
@@ -32,12 +32,6 @@ PATCH = Patch(
 MODULE = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 
 
-def _is_premul_sum(op: Any) -> bool:
-    import torch.distributed as dist
-
-    return not isinstance(op, dist.ReduceOp.RedOpType) and getattr(op, "op", None) == dist.ReduceOp.PREMUL_SUM
-
-
 def _on_gloo(group: Any, device_type: str) -> bool:
     import torch
 
@@ -47,19 +41,33 @@ def _on_gloo(group: Any, device_type: str) -> bool:
         return False
 
 
-def _divide_factors(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    factors = wrapped(*args, **kwargs)
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
-    group = bound.arguments.get("reduce_scatter_group")
-    if group is None or not _is_premul_sum(factors[2]) or not _on_gloo(group, bound.arguments.get("device_type", "")):
-        return factors
-    bound.arguments["force_sum_reduction_for_comms"] = True
-    return wrapped(*bound.args, **bound.kwargs)
+def _divide_factors(premul_sum: Any) -> Callable[..., Any]:
+    """The wrapper of ``_get_gradient_divide_factors``: torch's choice stands (one ``isinstance`` and no
+    other call on the way) unless it is a pre-multiplied sum (``premul_sum``, ``ReduceOp.PREMUL_SUM``)
+    on a gloo reduce-scatter group."""
+    from torch._C._distributed_c10d import ReduceOp  # torch.distributed's, set up before FSDP2 imports
+
+    plain = ReduceOp.RedOpType
+
+    def divide_factors(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        factors = wrapped(*args, **kwargs)
+        if isinstance(factors[2], plain) or getattr(factors[2], "op", None) != premul_sum:
+            return factors
+        bound = inspect.signature(wrapped).bind(*args, **kwargs)
+        group = bound.arguments.get("reduce_scatter_group")
+        if group is None or not _on_gloo(group, bound.arguments.get("device_type", "")):
+            return factors
+        bound.arguments["force_sum_reduction_for_comms"] = True
+        return wrapped(*bound.args, **bound.kwargs)
+
+    return divide_factors
 
 
 @PATCH.on_import(MODULE)
 def sum_then_divide_on_gloo(patcher: Patcher, module: Any) -> bool:
     if "force_sum_reduction_for_comms" not in inspect.signature(module._get_gradient_divide_factors).parameters:
         return False  # an FSDP2 without divide factors (torch < 2.8)
-    patcher.wrap(module, "_get_gradient_divide_factors", _divide_factors)
+    from torch._C._distributed_c10d import ReduceOp
+
+    patcher.wrap(module, "_get_gradient_divide_factors", _divide_factors(ReduceOp.PREMUL_SUM))
     return True

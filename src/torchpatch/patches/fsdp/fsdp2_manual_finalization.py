@@ -20,8 +20,11 @@ Fix:           a behaviour patch on FSDP2's Python runtime with 2.15's semantics
                ``GradientReductionHandle.wait()`` with ``async_op=True``) the callback's own last-backward
                tail. A forward before the wait, a mode change during or after backward, a call on a
                non-root module, a wait on a handle that ``reset_iter_state`` invalidated raise 2.15's
-               ``RuntimeError``s. With manual mode off (the default), the callback and forward take
-               torch's own path, after one flag check each.
+               ``RuntimeError``s. Until a root first turns manual mode on (or sets ``is_last_backward``
+               to False: an automatic backward that is not the last forbids a later mode change, as on
+               2.15), FSDP2's callback, forward and ``reset_iter_state`` are torch's own, unwrapped: a
+               step in automatic mode makes no call into torchpatch. The wraps, made then through the
+               hook's patcher, are undone with the patch.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
 
@@ -78,10 +81,18 @@ def _patch_state(patcher: Patcher, state_module: ModuleType) -> bool:
                             (group_module.FSDPParamGroup, GROUP_DEFAULTS)):
         for name, value in defaults.items():
             patcher.setattr(owner, name, value)
-    patcher.wrap(state_type, "_root_post_backward_final_callback", runtime.root_post_backward_callback)
-    patcher.wrap(state_type, "_root_pre_forward", runtime.root_pre_forward)
-    if "_reset_iter_state" in vars(state_type):  # torch >= 2.13
-        patcher.wrap(state_type, "_reset_iter_state", runtime.reset_iter_state)
+
+    def wrap_hot_path() -> None:
+        """FSDP2's per-step methods wrapped, once, when a root first needs them (through this
+        hook's patcher, which the engine keeps for changes made later: undone with the patch)."""
+        runtime.wrap_hot_path = None
+        patcher.wrap(state_type, "_root_post_backward_final_callback", runtime.root_post_backward_callback)
+        patcher.wrap(state_type, "_root_pre_forward", runtime.root_pre_forward)
+        if "_reset_iter_state" in vars(state_type):  # torch >= 2.13
+            patcher.wrap(state_type, "_reset_iter_state", runtime.reset_iter_state)
+
+    runtime.wrap_hot_path = wrap_hot_path
+    patcher.on_undo(lambda: setattr(runtime, "wrap_hot_path", None))
     return True
 
 
@@ -96,9 +107,18 @@ def _patch_module(patcher: Patcher, fully_shard_module: ModuleType) -> bool:
     if hasattr(fsdp_module, "finalize_backward"):
         return False  # torch >= 2.15
     home = _runtime_home()  # on torch >= 2.6 _composable.fsdp.fully_shard re-exports fsdp._fully_shard's
-    for name, method in _runtime(home).module_methods().items():
+    runtime = _runtime(home)
+    for name, method in runtime.module_methods().items():
         method.__qualname__ = f"FSDPModule.{name}"
         patcher.setattr(fsdp_module, name, method)
+
+    def set_is_last_backward(wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
+        """A backward that is not the last: the callback's wrap records automatic mode from then on."""
+        if runtime.wrap_hot_path is not None and not (args[0] if args else kwargs["is_last_backward"]):
+            runtime.wrap_hot_path()
+        return wrapped(*args, **kwargs)
+
+    patcher.wrap(fsdp_module, "set_is_last_backward", set_is_last_backward)
     return True
 
 

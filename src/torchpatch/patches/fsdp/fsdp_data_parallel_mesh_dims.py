@@ -8,9 +8,8 @@ Torch:         2.12 added the dataclass (which dimensions of a full SPMD mesh FS
                over) with ``fully_shard``'s ``dp_mesh_dims`` argument; 2.9-2.11 have neither.
 Fix:           serve the class with 2.15's fields, validation (``ValueError`` when neither ``shard`` nor
                ``replicate`` is set) and ``shard_names``/``replicate_names``. Only the class:
-               ``fully_shard(dp_mesh_dims=...)`` is fsdp2-dp-mesh-dims' (where only the data-parallel
-               dims have several ranks; FSDP2 over a full mesh with TP dims stays torch 2.12's,
-               not_backportable.json says why).
+               ``fully_shard(dp_mesh_dims=...)`` is fsdp2-dp-mesh-dims' (FSDP/HSDP, with TP too; the
+               shapes it cannot take: not_backportable.json).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fsdp_api.py
 """
 
