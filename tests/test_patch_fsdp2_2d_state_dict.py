@@ -42,7 +42,49 @@ def make(offset):
     return m
 """
 
-RANKS = MODEL + """
+# a rank program's middle: model a's state dict, saved in FOLDER, loaded into a model MAKE(1) (round_trip), a seed
+# checkpoint of the plain model into another (from_plain), FOLDER into the plain model on rank 0 (to_plain)
+STATE_DICT_ROUND_TRIPS = """
+    if rank == 0:  # a seed checkpoint: the plain model's state dict
+        dcp.save(make(5).state_dict(), checkpoint_id=f"{root}/plain", process_group=solo)
+    dist.barrier()
+    b = MAKE(1)
+    state = get_model_state_dict(b)
+    dcp.load(state, checkpoint_id=f"{root}/FOLDER")
+    set_model_state_dict(b, state)
+    out["round_trip"] = equals(b, ref)
+    c = MAKE(1)
+    state = get_model_state_dict(c)
+    dcp.load(state, checkpoint_id=f"{root}/plain")
+    set_model_state_dict(c, state)
+    out["from_plain"] = equals(c, make(5))
+    if rank == 0:
+        plain = make(3)
+        state = plain.state_dict()
+        _load_state_dict(state, dcp.FileSystemReader(f"{root}/FOLDER"), no_dist=True)
+        plain.load_state_dict(state)
+        out["to_plain"] = all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))
+"""
+
+# a rank program's tail: a model MAKE(2) loads the optimizer state model b saved; the same state, bitwise
+OPTIMIZER_ROUND_TRIP = """
+    e = MAKE(2)
+    opt2 = torch.optim.AdamW(e.parameters(), lr=0.1, foreach=True)
+    step(e, opt2, *BATCH)
+    state = {"model": get_model_state_dict(e), "optim": get_optimizer_state_dict(e, opt2)}
+    dcp.load(state, checkpoint_id=f"{root}/opt")
+    set_model_state_dict(e, state["model"])
+    set_optimizer_state_dict(e, opt2, state["optim"])
+    same = True
+    for p1, p2 in zip(b.parameters(), e.parameters()):
+        same &= torch.equal(p1.full_tensor(), p2.full_tensor())
+        for key in ("exp_avg", "exp_avg_sq"):
+            same &= torch.equal(opt.state[p1][key].full_tensor(), opt2.state[p2][key].full_tensor())
+    out["optimizer_round_trip"] = bool(same)
+"""
+
+# the imports of a rank program, torch 2.4 without torchpatch included (test_patch_fsdp2_hsdp_tp too)
+RANKS_IMPORTS = """
 import datetime, json, os, sys, torch.nn.functional as F, torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
@@ -56,6 +98,9 @@ except ImportError:  # torch 2.4 without torchpatch
     from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+"""
+
+RANKS = MODEL + RANKS_IMPORTS + """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, root = dist.get_rank(), os.environ["CKPT_DIR"]
 mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -80,25 +125,7 @@ try:
 except NotImplementedError as exc:
     out["error"] = str(exc)
 if "error" not in out:
-    if rank == 0:  # a seed checkpoint: the plain model's state dict
-        dcp.save(make(5).state_dict(), checkpoint_id=f"{root}/plain", process_group=solo)
-    dist.barrier()
-    b = sharded(1)
-    state = get_model_state_dict(b)
-    dcp.load(state, checkpoint_id=f"{root}/2d")
-    set_model_state_dict(b, state)
-    out["round_trip"] = equals(b, ref)
-    c = sharded(1)
-    state = get_model_state_dict(c)
-    dcp.load(state, checkpoint_id=f"{root}/plain")
-    set_model_state_dict(c, state)
-    out["from_plain"] = equals(c, make(5))
-    if rank == 0:
-        plain = make(3)
-        state = plain.state_dict()
-        _load_state_dict(state, dcp.FileSystemReader(f"{root}/2d"), no_dist=True)
-        plain.load_state_dict(state)
-        out["to_plain"] = all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))
+""" + STATE_DICT_ROUND_TRIPS.replace("MAKE", "sharded").replace("FOLDER", "2d") + """
     ids = (torch.arange(8) * 7 % V).reshape(2, 4)
 
     def step(m, opt):
@@ -109,30 +136,18 @@ if "error" not in out:
     opt = torch.optim.AdamW(b.parameters(), lr=0.1, foreach=True)
     step(b, opt)
     dcp.save({"model": get_model_state_dict(b), "optim": get_optimizer_state_dict(b, opt)}, checkpoint_id=f"{root}/opt")
-    e = sharded(2)
-    opt2 = torch.optim.AdamW(e.parameters(), lr=0.1, foreach=True)
-    step(e, opt2)
-    state = {"model": get_model_state_dict(e), "optim": get_optimizer_state_dict(e, opt2)}
-    dcp.load(state, checkpoint_id=f"{root}/opt")
-    set_model_state_dict(e, state["model"])
-    set_optimizer_state_dict(e, opt2, state["optim"])
-    same = True
-    for p1, p2 in zip(b.parameters(), e.parameters()):
-        same &= torch.equal(p1.full_tensor(), p2.full_tensor())
-        for key in ("exp_avg", "exp_avg_sq"):
-            same &= torch.equal(opt.state[p1][key].full_tensor(), opt2.state[p2][key].full_tensor())
-    out["optimizer_round_trip"] = bool(same)
-"""
+""" + OPTIMIZER_ROUND_TRIP.replace("MAKE", "sharded").replace(", *BATCH", "")
 
-NEWEST_READS = MODEL + """
+NEWEST_READS_TEMPLATE = MODEL + """
 import json, sys
 import torch.distributed.checkpoint as dcp
 ref, plain = make(0), make(3)
 state = plain.state_dict()
-dcp.load(state, checkpoint_id=sys.argv[1] + "/2d")
+dcp.load(state, checkpoint_id=sys.argv[1] + "/FOLDER")
 plain.load_state_dict(state)
 print(json.dumps(all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))))
 """
+NEWEST_READS = NEWEST_READS_TEMPLATE.replace("FOLDER", "2d")
 
 CHECKS = ("full_tensor", "round_trip", "from_plain", "optimizer_round_trip")
 

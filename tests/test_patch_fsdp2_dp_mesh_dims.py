@@ -20,7 +20,7 @@ import pytest
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies
+    through_patch_range, where_patch_applies, where_patch_does_not_apply
 )
 from test_patch_fsdp2_spmd_types import RANKS_BODY as SPMD_TYPES_RANKS
 
@@ -49,7 +49,7 @@ from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_NAMES)
 try:
-    fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+    fully_shard(nn.Linear(4, 4), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard", replicate=REPLICATE))
     out = "sharded"
 except Exception as exc:
     out = f"{type(exc).__name__}: {exc}"
@@ -60,9 +60,10 @@ if dist.get_rank() == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-def one_call(tmp_path, mesh_shape: str, names=("dp_shard", "tp"), **env) -> list:
+def one_call(tmp_path, mesh_shape: str, names=("dp_shard", "tp"), replicate=None, nproc=2, **env) -> list:
     script = ONE_CALL.replace("MESH_SHAPE", mesh_shape).replace("MESH_NAMES", repr(names))
-    return ranks_result(script, tmp_path=tmp_path, env=clean_env(**env), timeout=180)
+    script = script.replace("REPLICATE", repr(replicate))
+    return ranks_result(script, tmp_path=tmp_path, env=clean_env(**env), nproc=nproc, timeout=180)
 
 
 def run(tmp_path, **env) -> list:
@@ -188,8 +189,20 @@ out["mesh"] = sorted({tuple(p.device_mesh.mesh_dim_names) for p in local.paramet
 """
 
 
+@where_patch_applies("fsdp2-dp-mesh-dims", "FSDP+TP over a full SPMD mesh: refused")
+@pytest.mark.parametrize("shape, names, replicate", [
+    ((2, 2), ("dp_shard", "tp"), None), ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), "dp_replicate")],
+    ids=["fsdp-tp", "hsdp-tp"])
+def test_fsdp_tp_over_full_mesh_is_refused(tmp_path, shape, names, replicate):
+    """Data-parallel dims of several ranks beside a TP dim of several: refused, naming the case
+    (torchtitan 0.3.0's fsdp+tp+sac trained wrong with it served), before any parameter is touched."""
+    for out in one_call(tmp_path, repr(shape), names, replicate, nproc=4, TORCHPATCH="1"):
+        assert out.startswith("NotImplementedError: fully_shard(dp_mesh_dims=...) with data-parallel dims of 2 "
+                              "ranks beside ['tp'] of several ranks (FSDP+TP, HSDP+TP"), out
+
+
 @needs_spmd_types
-@through_patch_range("fsdp2-dp-mesh-dims", "FSDP2 with dp_mesh_dims; fsdp2-spmd-types on 2.12-2.13")
+@where_patch_does_not_apply("fsdp2-dp-mesh-dims", "torch's own FSDP+TP over a full SPMD mesh")
 @pytest.mark.parametrize("shape, names", [
     ((2, 2), ("dp_shard", "tp")),  # FSDP+TP
     ((2, 1, 2), ("dp_replicate", "dp_shard", "tp")),  # HSDP+TP (the shard dim of one rank: 4 ranks)

@@ -23,44 +23,14 @@ from conftest import (
     clean_env, gathered_tail, only_torch, ranks_result, run_newest_torch_json, where_patch_applies,
     where_patch_does_not_apply
 )
+from test_patch_fsdp2_2d_state_dict import (  # the same float64 LM, imports, optimizer round trip, newest reader
+    MODEL, NEWEST_READS_TEMPLATE, OPTIMIZER_ROUND_TRIP, RANKS_IMPORTS, STATE_DICT_ROUND_TRIPS
+)
 
 PATCH_ID = "fsdp2-hsdp-tp"
 ENV_OFF = "TORCHPATCH_FSDP2_HSDP_TP"
 
-MODEL = """
-import os, torch, torch.nn as nn
-V, D = int(os.environ.get("LM_ROWS", "10")), 6
-
-class LM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok, self.up, self.down = nn.Embedding(V, D), nn.Linear(D, 2 * D), nn.Linear(2 * D, V, bias=False)
-
-    def forward(self, ids):
-        return self.down(torch.tanh(self.up(self.tok(ids))))
-
-def make(offset):
-    m = LM().double()
-    with torch.no_grad():
-        for k, p in enumerate(m.parameters()):
-            p.copy_(torch.sin(torch.arange(p.numel(), dtype=torch.float64) * 0.37 + k + offset).reshape(p.shape))
-    return m
-"""
-
-RANKS = MODEL + """
-import datetime, json, torch.nn.functional as F, torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_optimizer_state_dict, set_model_state_dict, set_optimizer_state_dict)
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-try:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._tensor import Replicate
-    from torch.distributed._composable.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+RANKS = MODEL + RANKS_IMPORTS + """
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
 rank, root = dist.get_rank(), os.environ["CKPT_DIR"]
 mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
@@ -99,26 +69,7 @@ if "error" not in out:
                          for n, p in a.named_parameters()}
     out["mesh"] = list(a.up.weight.device_mesh.mesh_dim_names)
     dcp.save(get_model_state_dict(a), checkpoint_id=f"{root}/hsdp_tp")
-    if rank == 0:  # a seed checkpoint: the plain model's state dict
-        dcp.save(make(5).state_dict(), checkpoint_id=f"{root}/plain", process_group=solo)
-    dist.barrier()
-    b = hsdp_tp(1)
-    state = get_model_state_dict(b)
-    dcp.load(state, checkpoint_id=f"{root}/hsdp_tp")
-    set_model_state_dict(b, state)
-    out["round_trip"] = equals(b, ref)
-    c = hsdp_tp(1)
-    state = get_model_state_dict(c)
-    dcp.load(state, checkpoint_id=f"{root}/plain")
-    set_model_state_dict(c, state)
-    out["from_plain"] = equals(c, make(5))
-    if rank == 0:
-        plain = make(3)
-        state = plain.state_dict()
-        _load_state_dict(state, dcp.FileSystemReader(f"{root}/hsdp_tp"), no_dist=True)
-        plain.load_state_dict(state)
-        out["to_plain"] = all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))
-
+""" + STATE_DICT_ROUND_TRIPS.replace("MAKE", "hsdp_tp").replace("FOLDER", "hsdp_tp") + """
     opt = torch.optim.AdamW(b.parameters(), lr=0.1, foreach=True)
     grads = step(b, opt, ids[dp_rank:dp_rank + 1])
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1, foreach=True)
@@ -129,30 +80,9 @@ if "error" not in out:
                          for n, p in b.named_parameters())
     dcp.save({"model": get_model_state_dict(b), "optim": get_optimizer_state_dict(b, opt)},
              checkpoint_id=f"{root}/opt")
-    e = hsdp_tp(2)
-    opt2 = torch.optim.AdamW(e.parameters(), lr=0.1, foreach=True)
-    step(e, opt2, ids[dp_rank:dp_rank + 1])
-    state = {"model": get_model_state_dict(e), "optim": get_optimizer_state_dict(e, opt2)}
-    dcp.load(state, checkpoint_id=f"{root}/opt")
-    set_model_state_dict(e, state["model"])
-    set_optimizer_state_dict(e, opt2, state["optim"])
-    same = True
-    for p1, p2 in zip(b.parameters(), e.parameters()):
-        same &= torch.equal(p1.full_tensor(), p2.full_tensor())
-        for key in ("exp_avg", "exp_avg_sq"):
-            same &= torch.equal(opt.state[p1][key].full_tensor(), opt2.state[p2][key].full_tensor())
-    out["optimizer_round_trip"] = bool(same)
-"""
+""" + OPTIMIZER_ROUND_TRIP.replace("MAKE", "hsdp_tp").replace("*BATCH", "ids[dp_rank:dp_rank + 1]")
 
-NEWEST_READS = MODEL + """
-import json, sys
-import torch.distributed.checkpoint as dcp
-ref, plain = make(0), make(3)
-state = plain.state_dict()
-dcp.load(state, checkpoint_id=sys.argv[1] + "/hsdp_tp")
-plain.load_state_dict(state)
-print(json.dumps(all(torch.equal(x, y) for x, y in zip(plain.parameters(), ref.parameters()))))
-"""
+NEWEST_READS = NEWEST_READS_TEMPLATE.replace("FOLDER", "hsdp_tp")
 
 CHECKS = ("full_tensor", "round_trip", "from_plain", "grads", "weights", "optimizer_round_trip")
 

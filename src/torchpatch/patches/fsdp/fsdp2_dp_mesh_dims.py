@@ -1,5 +1,5 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
-(FSDP2 over a full SPMD mesh: FSDP, HSDP, FSDP+TP, HSDP+TP), torch 2.9-2.11.
+(FSDP2 over a full SPMD mesh: FSDP, HSDP, TP), torch 2.9-2.11.
 
 What breaks:   torchtitan 0.3 (its default ``spmd_backend="spmd_types"``) shards with
                ``fully_shard(block, mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``
@@ -25,7 +25,10 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                data-parallel one, more than two non-data-parallel dims of several ranks (this FSDP2 takes
                1-D TP/EP or 2-D EP+TP), DTensor parameters on the full mesh (torchtitan's
                ``full_dtensor`` backend: measured with 2.13's losses and placements but not its
-               gradients, so refused);
+               gradients, so refused), and data-parallel dims of several ranks beside a TP dim of
+               several ranks (FSDP+TP, HSDP+TP: this patch's own 4-rank step of it equals one process,
+               but torchtitan 0.3.0's fsdp+tp+sac on 2.9.0 trained 6.5e-3 off one process from step 1,
+               its weights already different after the seed checkpoint's load; refused until traced);
                ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
                Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
@@ -115,6 +118,14 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
         for _, name, param in params:
             _storage(name, param, mesh, dp_mesh_dims)  # 2.15's errors for plain parameters
         return dp_mesh
+    if several and dp_mesh.size() > 1:
+        # measured: torchtitan 0.3.0's fsdp+tp+sac (dp_shard 2 x tp 2) on 2.9.0 trained 6.5e-3 off one
+        # process from step 1 (its start weights differ after the seed checkpoint's load), while this
+        # patch's own dp x tp step was equal: a wrong result is refused until its cause is found
+        raise _unserved(f"with data-parallel dims of {dp_mesh.size()} ranks beside {several} of several ranks "
+                        "(FSDP+TP, HSDP+TP: a torchtitan 0.3.0 run of it differed from one process, cause not "
+                        "found, so it is refused rather than served wrong; tensor parallelism with one "
+                        "data-parallel rank is served)")
     _to_tp_params(params, mesh, dp_mesh_dims, others, several)
     return dp_mesh
 
