@@ -32,10 +32,12 @@ Upstream:      https://github.com/pytorch/pytorch/pull/167887 (``_StridedShard``
 
 import inspect
 from types import ModuleType
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
-from torchpatch.patches.dtensor._internals import forget_shardings
+from torchpatch.patches.dtensor._internals import (
+    STRIDED_POINTWISE_DONE, forget_shardings, maps_strided_shard, strided_shard_type
+)
 
 PATCH = Patch(
     id="dtensor-strided-shard-pointwise",
@@ -46,23 +48,6 @@ PATCH = Patch(
     behaviour="fsdp_tp_param.copy_(replicated), strided + replicated, strided * 2",
     category="correctness",
 )
-
-_DONE = "_torchpatch_strided_shard_pointwise"
-
-
-def _strided_type() -> Optional[type]:
-    from torch.distributed.tensor import placement_types
-
-    return getattr(placement_types, "_StridedShard", None)
-
-
-def _keeps_strided(utils: ModuleType, strided: type) -> bool:
-    """Whether this torch's ``map_placements_after_broadcast`` keeps a ``_StridedShard`` (the fix)."""
-    import torch
-
-    mapped = utils.map_placements_after_broadcast((strided(0, split_factor=2),), torch.Size([4]), [0])
-    return isinstance(mapped[0], strided)
-
 
 def _restrided(spec: Any, strided_at: Dict[int, Any], shard: type, strided: type) -> Any:
     """``spec`` with ``Shard(d)`` on the mesh dims of ``strided_at`` made ``_StridedShard(d, sf)``."""
@@ -123,16 +108,16 @@ def keep_strided_shards(patcher: Patcher, pointwise: ModuleType) -> bool:
     import importlib
 
     strategy = getattr(pointwise, "common_pointwise_strategy", None)
-    strided = _strided_type()
-    if strategy is None or strided is None or getattr(pointwise, _DONE, False):
+    strided = strided_shard_type()
+    if strategy is None or strided is None or getattr(pointwise, STRIDED_POINTWISE_DONE, False):
         return False  # 2.12's single-dim rules
     from torch.distributed.tensor.placement_types import Shard
 
     if not issubclass(strided, Shard) or "followed_strategy" not in inspect.signature(strategy).parameters:
         return False
-    if _keeps_strided(importlib.import_module("torch.distributed.tensor._ops.utils"), strided):
+    if maps_strided_shard(importlib.import_module("torch.distributed.tensor._ops.utils"), strided):
         return False  # the upstream fix
     patcher.wrap(pointwise, "common_pointwise_strategy", _keeping_strided(inspect.signature(strategy), Shard, strided))
-    patcher.setattr(pointwise, _DONE, True)
+    patcher.setattr(pointwise, STRIDED_POINTWISE_DONE, True)
     forget_shardings()
     return True

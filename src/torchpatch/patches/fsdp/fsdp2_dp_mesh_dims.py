@@ -96,6 +96,8 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
     parameters become DTensors on the other dims' sub-mesh first (this torch's FSDP+TP input)."""
     from torch.distributed.tensor import DTensor
 
+    from ..dtensor._internals import pointwise_keeps_strided_shard
+
     names = mesh.mesh_dim_names if mesh is not None else None
     if not names:
         raise ValueError("fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names (the full SPMD mesh)")
@@ -120,7 +122,7 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
         for _, name, param in params:
             _storage(name, param, mesh, dp_mesh_dims)  # 2.15's errors for plain parameters
         return dp_mesh
-    if several and dp_mesh.size() > 1 and not _pointwise_keeps_strided_shard():
+    if several and dp_mesh.size() > 1 and not pointwise_keeps_strided_shard():
         # measured: torchtitan 0.3.0's fsdp+tp+sac (dp_shard 2 x tp 2) on 2.9.0 loaded its fused wqkv
         # from the seed checkpoint with param.copy_(replicated), which this torch's pointwise strategy
         # places as Shard (other ranks' rows), and trained 6.5e-3 off one process
@@ -130,20 +132,6 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
                         "and would put other ranks' rows in them")
     _to_tp_params(params, mesh, dp_mesh_dims, others, several)
     return dp_mesh
-
-
-def _pointwise_keeps_strided_shard() -> bool:
-    """Whether DTensor's pointwise ops keep a ``_StridedShard`` operand's placement here
-    (dtensor-strided-shard-pointwise applied, or a torch that does it itself)."""
-    import importlib
-
-    from ..dtensor.dtensor_strided_shard_pointwise import _DONE, _keeps_strided, _strided_type
-
-    pointwise = importlib.import_module("torch.distributed.tensor._ops._pointwise_ops")
-    strided = _strided_type()
-    if getattr(pointwise, _DONE, False) or strided is None:
-        return True
-    return _keeps_strided(importlib.import_module("torch.distributed.tensor._ops.utils"), strided)
 
 
 def _unmanaged_params(module: Any, ignored: Any) -> List[Tuple[Any, str, Any]]:
