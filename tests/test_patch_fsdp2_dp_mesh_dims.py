@@ -22,7 +22,7 @@ import pytest
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies, where_patch_does_not_apply
+    through_patch_range, where_patch_applies
 )
 from test_patch_fsdp2_spmd_types import RANKS_BODY as SPMD_TYPES_RANKS
 
