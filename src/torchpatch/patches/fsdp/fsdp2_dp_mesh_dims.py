@@ -31,7 +31,9 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                torchtitan 0.3.0 loads its fused wqkv, puts other ranks' rows there: its fsdp+tp+sac
                on 2.9.0 started from other weights and trained 6.5e-3 off one process in 8 steps,
                1.9e-3 in 3; with that patch its start weights equal 2.15.0's, 1.1e-7 in 3 steps);
-               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
+               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``; the
+               ``full_tensor()`` of a parameter whose dim does not divide by dp x tp is
+               dtensor-strided-shard-uneven's ``NotImplementedError`` (this torch gathers it out of order).
                Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
