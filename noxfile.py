@@ -8,7 +8,9 @@
                           # and Ray Train, accelerate and DeepSpeed's launchers on 2.13.0 (the launchers session)
 
 The matrix sessions leave the tests marked ``torch_independent`` (stand-in targets, no torch in the
-process, packaging) to the quick suite: their result is the same on every torch.
+process, packaging) to the quick suite: their result is the same on every torch. A patch's test file runs
+on the torches of ``MATRIX`` inside its range, the nearest outside each end and the newest
+(tests/conftest.py's ``patch_file_runs_here``, docs/tests.md).
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
