@@ -298,9 +298,9 @@ def _process_kind(request: pytest.FixtureRequest):
     forkserver.allowed = True
 
 
-# The torch minor versions of CI's sessions (noxfile.py's MATRIX, the default torch's among them).
-MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(r'^\s*"(\d+\.\d+\.\d+)":',
-                                                                    (REPO / "noxfile.py").read_text(), re.M)})
+# The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH).
+MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(
+    r'^(?:\s*|DEFAULT_TORCH = )"(\d+\.\d+\.\d+)"', (REPO / "noxfile.py").read_text(), re.M)})
 # Set to 1 to run every patch's test file on any torch (see patch_file_runs_here).
 EVERY_TORCH = os.environ.get("PATCH_TESTS_ON_EVERY_TORCH") == "1"
 
