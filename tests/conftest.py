@@ -282,7 +282,8 @@ RESULT = "TORCHPATCH-TEST-RESULT "
 # collected first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, the noxfile) hands out whole
 # files in collection order, and a long file started last would keep one worker busy alone while the
 # other idles. (Without ``--no-loadscope-reorder`` xdist orders files by their number of tests instead.)
-COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py",
+COLLECTED_FIRST = ("test_torchtitan.py", "test_torchtitan_imports.py", "test_survey.py", "test_dtensor_fuzz.py",
+                   "test_forkserver.py",
                    "test_cluster_shapes.py", "test_patch_xla_parallelize.py",
                    "test_engine_torch.py", "test_patch_dtensor_mixed.py", "test_engine.py", "test_check.py",
                    "test_report.py", "test_activation.py", "test_torchrun.py", "test_example.py", "test_check_source.py",
@@ -301,7 +302,7 @@ def _process_kind(request: pytest.FixtureRequest):
 # The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH).
 MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(
     r'^(?:\s*|DEFAULT_TORCH = )"(\d+\.\d+\.\d+)"', (REPO / "noxfile.py").read_text(), re.M)})
-# Set to 1 to run every patch's test file on any torch (see patch_file_runs_here).
+# Set to 1 to run every patch's test file and every ``plumbing`` test on any torch (patch_file_runs_here).
 EVERY_TORCH = os.environ.get("PATCH_TESTS_ON_EVERY_TORCH") == "1"
 
 
@@ -321,12 +322,29 @@ def patch_file_runs_here(patch_id: str) -> bool:
             or minor in (below[-1:] + above[:1]))
 
 
+# The matrix torches that run the tests marked ``plumbing`` (the engine's process plumbing with a real torch:
+# start-up activation, per-process reports, torchrun's workers, the suite's fork server), whose outcome
+# depends on how a torch starts and launches rather than on which patches apply: the oldest, the first of
+# the 2.4+ range that matters most, the default and the newest. The torches between them run the same code.
+PLUMBING_MINORS = (MATRIX_MINORS[0], (2, 4), _versions.release(re.search(
+    r'^DEFAULT_TORCH = "([\d.]+)"', (REPO / "noxfile.py").read_text(), re.M).group(1))[:2], MATRIX_MINORS[-1])
+
+
+def plumbing_runs_here() -> bool:
+    minor = tuple((_versions.release(TORCH) or ())[:2])
+    return EVERY_TORCH or minor not in MATRIX_MINORS or minor in PLUMBING_MINORS
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     first = {name: i for i, name in enumerate(COLLECTED_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(COLLECTED_FIRST)))  # stable: the rest keep their order
     for item in items:
         name = item.path.name
         patch_id = name[len("test_patch_"):-len(".py")].replace("_", "-") if name.startswith("test_patch_") else None
+        if item.get_closest_marker("plumbing") is not None and not plumbing_runs_here():
+            item.add_marker(pytest.mark.skip(reason=(
+                f"process plumbing is tested on torch {', '.join('.'.join(map(str, m)) for m in PLUMBING_MINORS)} "
+                f"of the matrix, not on {TORCH} (conftest.PLUMBING_MINORS)")))
         if patch_id in PATCH_TORCH and not patch_file_runs_here(patch_id):
             item.add_marker(pytest.mark.skip(reason=(
                 f"{patch_id} ({PATCH_TORCH[patch_id]}) is tested on the matrix torches inside its range, the nearest "
