@@ -13,7 +13,8 @@ What breaks:   ``PipelineStage(submodule, stage_index, num_stages, device, input
                after two steps, step 2's loss off by 0.014).
 Torch:         2.4-2.11 (``PipelineStage.__init__`` runs the submodule when ``input_args`` is given
                and ``output_args`` is not; reproduced on 2.4.1 and 2.9.0, read in 2.11.0's source).
-               torch 2.12 no longer runs a forward at construction: it infers the stage's
+               torch 2.12 (2.12.0's source read; 2.13.0, 2.14.1 and 2.15.0 run right natively) no
+               longer runs a forward at construction: it infers the stage's
                metadata at the first step and then reshards every ``FSDPModule`` of the submodule
                (``PipelineStage._post_metadata_inference_cleanup``); the hook checks for that method.
                A stage built without ``input_args`` (torch >= 2.5's runtime shape inference,
