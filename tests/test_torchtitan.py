@@ -40,12 +40,12 @@ pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release inst
 TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     # fsdp+tp+sac on 4 ranks: the 2-D state dict (fsdp2-2d-state-dict), the embedding's gradient
     # (fsdp2-tp-grad-placements: without it the first gradient norm is 0.14% above one process's), and
-    # the TP of 2.4 (dtensor-public, tp-prepare-module-input-output); TP alone (clip_grad_norm_ of its
-    # partial gradients, dtensor-inplace-placement-change) trains on 2.9, where that patch applies too
+    # the TP of 2.4 (dtensor-public, tp-prepare-module-input-output). TP alone (clip_grad_norm_ of its
+    # partial gradients, dtensor-inplace-placement-change, 2.2-2.12) is 0.2.2's `tp` on 2.9 in CI; 0.1.0's
+    # `tp` cells (2.4.1, 2.9.0) are the docs table's
     ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp", "fsdp+tp+sac"),
-    # clip_grad_norm_ of partial gradients (dtensor-inplace-placement-change); FSDP+TP+SAC on 4 ranks;
-    # PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
-    ("0.1.0", "==2.9.*"): ("tp", "fsdp+tp+sac", "pp"),
+    # FSDP+TP+SAC on 4 ranks; PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
+    ("0.1.0", "==2.9.*"): ("fsdp+tp+sac", "pp"),
     # 0.2.2 and 0.3.0 on 2.9: what they import (varlen, inductor-wrap-compiled-regions, spmd_types' layouts
     # and local-tensor helpers ...); 0.2.2's PP (pipelining-return-outputs, pipelining-context); 0.3.0's
     # FSDP (fsdp2-dp-mesh-dims, fsdp2-partial-group-forward, dtensor-spec-aliasing) and PP
