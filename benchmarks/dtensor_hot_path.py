@@ -33,7 +33,8 @@ be slow for one side is a bias this cannot rule out). The ``calls`` counts below
    between processes (layout, placement) that dominate the spread of separate jobs on a shared
    machine. It measures what the patches cost per call, not what importing torchpatch changed;
    where a live object keeps a wrapper after ``uninstall()``, those calls are paid on both sides
-   and listed.
+   and listed. It also counts every Python call (any code's, builtins included) of one step on each
+   side: deterministic, where the times of a shared machine are not.
 
     python benchmarks/dtensor_hot_path.py --python ~/.cache/torchpatch/nox/matrix-torch-2-9-0/bin/python
     python benchmarks/dtensor_hot_path.py --python PY --pairs 9 --json
@@ -121,7 +122,8 @@ def _worker(config: Dict[str, Any]) -> None:
         return a @ w
 
     ops = {"add": add, "sum": sum_, "mul_number": mul_number, "redistribute": redistribute, "matmul": matmul}
-    result: Dict[str, Any] = {"us": {}, "us_uninstalled": {}, "errors": {}, "calls": {}, "calls_uninstalled": {}}
+    result: Dict[str, Any] = {"us": {}, "us_uninstalled": {}, "errors": {}, "calls": {}, "calls_uninstalled": {},
+                              "python_calls": {}}
 
     store = dist.distributed_c10d._get_default_store()
 
@@ -179,9 +181,13 @@ def _worker(config: Dict[str, Any]) -> None:
         if count_calls:
             result["calls"][name] = _calls_in(step)
             if config["in_process"]:  # what uninstalling leaves behind (a wrapper a live object holds)
+                on = _python_calls(step)
                 _install(False)
+                step()
                 result["calls_uninstalled"][name] = _calls_in(step)
+                result["python_calls"][name] = {"on": on, "uninstalled": _python_calls(step)}
                 _install(True)
+                step()
     dist.barrier()
     if rank == 0:
         import torchpatch  # importing it installs nothing: did TORCHPATCH (or its absence) hold?
@@ -296,6 +302,24 @@ def _calls_in(step: Any) -> Dict[str, int]:
     finally:
         sys.setprofile(None)
     return counts
+
+
+def _python_calls(step: Any) -> int:
+    """Every call during one call of ``step`` that the profiler sees, any code's: Python functions and
+    the builtins they call (what a patch adds to torch's own Python work, deterministically)."""
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
 
 
 # -- the parent: alternated jobs -------------------------------------------------------------------
@@ -438,6 +462,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                               "backend": args.backend, "src": args.src, "on": on, "measures": {}, "calls": calls}
     if args.in_process:
         report["calls_uninstalled"] = sides["on"][0]["calls_uninstalled"] if sides["on"] else {}
+        report["python_calls"] = sides["on"][0]["python_calls"] if sides["on"] else {}
     met = True
     for name, target in TARGETS.items():
         if name not in args.measures:
@@ -484,6 +509,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"  calls into torchpatch per {step}: {sum(counts.values())}" + (f" ({top})" if top else ""))
         for step, counts in report.get("calls_uninstalled", {}).items():
             print(f"  calls into torchpatch per {step} after uninstall() (both sides pay them): {sum(counts.values())}")
+        for step, n in report.get("python_calls", {}).items():
+            print(f"  Python calls per {step}, any code's: {n['on']} installed, {n['uninstalled']} uninstalled "
+                  f"({n['on'] / n['uninstalled']:.4f})")
         print("every target met" if met else "some target missed")
     return 0 if met else 1
 
