@@ -125,20 +125,31 @@ def served_modules(version: str, here: Inventory, oracle: Inventory) -> Dict[str
     return dict(sorted(out.items()))
 
 
-def load_gaps() -> Dict[Tuple[str, str], Dict[str, str]]:
-    """(module, name) -> its declared gap entry (``module``, ``names``, ``needs``, ``why``)."""
+Gaps = Dict[Tuple[str, str], List[Tuple[str, str]]]  # (module, name) -> [(torch specifier, what it needs)]
+
+
+def load_gaps() -> Gaps:
+    """Each declared (module, name) -> its entries' torch specifiers and needs (the kind's line)."""
     data = json.loads((catalogue_data() / GAPS).read_text())
-    out: Dict[Tuple[str, str], Dict[str, str]] = {}
+    out: Gaps = {}
     for entry in data["entries"]:
+        need = f"{entry['kind']}: {data['kinds'][entry['kind']]}"
         for name in entry["names"]:
-            out[(entry["module"], name)] = entry
+            out.setdefault((entry["module"], name), []).append((entry["torch"], need))
     return out
 
 
-def declared(module: str, name: str, version: str, gaps: Dict[Tuple[str, str], Dict[str, str]]) -> str:
-    """Why ``module.name`` may be absent on ``version``, or "" where nothing declares it."""
-    if (module, name) in gaps:
-        return gaps[(module, name)]["needs"]
+def gaps_for(version: str, gaps: Gaps) -> Dict[Tuple[str, str], str]:
+    """The declared gaps whose entry admits ``version`` -> what each needs."""
+    return {key: need for key, entries in gaps.items() for spec, need in entries if _versions.matches(spec, version)}
+
+
+def declared(module: str, name: str, version: str, here: Dict[Tuple[str, str], str]) -> str:
+    """Why ``module.name`` may be absent on ``version`` (``here``: ``gaps_for(version, ...)``), or ""
+    where nothing declares it."""
+    need = here.get((module, name))
+    if need:
+        return need
     entry = not_backportable_for(f"{module}.{name}")
     if entry and not _versions.matches(entry["torch"], version):
         return f"not_backportable.json: {entry['what']}"
@@ -157,8 +168,9 @@ class Difference:
     absent: Dict[str, List[str]]
     errors: Dict[str, str]  # module -> why it failed to import
 
-    def undeclared(self, version: str, gaps: Dict[Tuple[str, str], Dict[str, str]]) -> List[str]:
-        return [f"{m}.{n}" for m, names in self.absent.items() for n in names if not declared(m, n, version, gaps)]
+    def undeclared(self, version: str, gaps: Gaps) -> List[str]:
+        applying = gaps_for(version, gaps)
+        return [f"{m}.{n}" for m, names in self.absent.items() for n in names if not declared(m, n, version, applying)]
 
 
 def difference(probed: Dict[str, Dict[str, object]], asked: Dict[str, List[str]]) -> Difference:
@@ -167,11 +179,10 @@ def difference(probed: Dict[str, Dict[str, object]], asked: Dict[str, List[str]]
     return Difference({m: a for m, a in absent.items() if a}, errors)
 
 
-def stale(version: str, served: Dict[str, Served], diff: Difference,
-          gaps: Dict[Tuple[str, str], Dict[str, str]]) -> List[str]:
-    """Declared gaps of the modules served here that are there after all (served or native)."""
+def stale(version: str, served: Dict[str, Served], diff: Difference, gaps: Gaps) -> List[str]:
+    """Declared gaps that apply on ``version`` (the module served here, the name not native) yet are there."""
     out = []
-    for module, name in sorted(gaps):
+    for module, name in sorted(gaps_for(version, gaps)):
         if module in served and name not in served[module].native and module not in diff.errors:
             if name not in diff.absent.get(module, ()):
                 out.append(f"{module}.{name}")
@@ -204,12 +215,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         diff = difference(probe(asked, os.path.join(tmp, "names.json")), asked)
     gaps = load_gaps()
+    applying = gaps_for(version, gaps)
     print(f"torch {version}: {len(served)} served modules against torch {oracle.version}'s; "
           f"{sum(map(len, asked.values()))} surface names lacking natively, "
           f"{sum(map(len, diff.absent.values()))} absent with TORCHPATCH=1, "
           f"{len(diff.undeclared(version, gaps))} of them undeclared")
     for module, names in diff.absent.items():
-        shown = [n for n in names if args.all or not declared(module, n, version, gaps)]
+        shown = [n for n in names if args.all or not declared(module, n, version, applying)]
         if shown:
             print(f"  {module} [{served[module].how}] ({len(shown)}): {' '.join(shown)}")
         if module in diff.errors:

@@ -38,8 +38,10 @@ def _dense_to_ordered(dense: Tensor) -> Tuple[Tensor, Tensor]:
     return dense.sum(dim=-1).to(torch.int32).contiguous(), indices.to(torch.int32).contiguous()
 
 
-def _transpose_ordered(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tuple[Tensor, Tensor]:
-    return _dense_to_ordered(_ordered_to_dense(num_blocks, indices, num_cols).transpose(-2, -1))
+def _transpose_ordered(num_blocks: Tensor, indices: Tensor, num_cols: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """The ordered block list of the transposed grid (``num_cols`` defaults to the indices' width, as torch's)."""
+    width = indices.shape[-1] if num_cols is None else num_cols
+    return _dense_to_ordered(_ordered_to_dense(num_blocks, indices, width).transpose(-2, -1))
 
 
 def _crop_ordered(num_blocks: Tensor, indices: Tensor, rows: int, cols: int) -> Tuple[Tensor, Tensor]:
