@@ -66,3 +66,5 @@ def _strided_shard() -> Any:
 
 
 PATCH.symbol("torch.distributed._tensor.placement_types", "_StridedShard")(_strided_shard)
+# torch 2.15's torch.distributed.tensor re-exports it (2.4's own, 2.2-2.3's served one above)
+PATCH.symbol("torch.distributed.tensor", "_StridedShard")(reexport("torch.distributed._tensor.placement_types", "_StridedShard"))
