@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from api_coverage import BACKEND_CLASSES, FUTURE, LOGGERS, TYPING
 
@@ -173,9 +173,10 @@ class Difference:
         return [f"{m}.{n}" for m, names in self.absent.items() for n in names if not declared(m, n, version, applying)]
 
 
-def difference(probed: Dict[str, Dict[str, object]], asked: Dict[str, List[str]]) -> Difference:
+def difference(probed: Dict[str, Dict[str, Any]], asked: Dict[str, List[str]]) -> Difference:
+    """PROBE's output as a Difference: a module that failed to import lacks every name asked of it."""
     errors = {m: str(r["error"]) for m, r in probed.items() if "error" in r}
-    absent = {m: (asked[m] if m in errors else list(r.get("absent", ()))) for m, r in probed.items()}  # type: ignore
+    absent = {m: asked[m] if m in errors else list(r["absent"]) for m, r in probed.items()}
     return Difference({m: a for m, a in absent.items() if a}, errors)
 
 
@@ -189,7 +190,7 @@ def stale(version: str, served: Dict[str, Served], diff: Difference, gaps: Gaps)
     return out
 
 
-def probe(asked: Dict[str, List[str]], path: str) -> Dict[str, Dict[str, object]]:
+def probe(asked: Dict[str, List[str]], path: str) -> Dict[str, Dict[str, Any]]:
     """Run PROBE in a fresh interpreter with TORCHPATCH=1 (and this checkout's torchpatch first)."""
     with open(path, "w") as f:
         json.dump(asked, f)
