@@ -147,8 +147,10 @@ def test_a_traceback_from_standard_input():
     )
     proc = explain("-", "--torch", "2.1.2", "--json", stdin=traceback)
     assert proc.returncode == 0, proc.stderr
-    found = json.loads(proc.stdout)
+    error, = json.loads(proc.stdout)["errors"]  # a log: each distinct error explained (tests/test_explain_logs.py)
+    found = error["explanation"]
     assert found["name"] == "torch.distributed._tensor.Partial" and found["query"].startswith(PARTIAL)
+    assert found["verdict"] == "served" and error["first_line"] == 4
 
 
 @pytest.mark.parametrize("args, error, choices", [
@@ -173,11 +175,12 @@ def test_bytes_that_are_no_text_read_as_replacement_characters():
         return subprocess.run([sys.executable, "-m", "torchpatch", "explain", *args], input=stdin, capture_output=True,
                               env=clean_env(PYTHONIOENCODING="utf-8"), timeout=300)
 
-    for proc in (run(["-"], b"What \xff\xfe?"), run([b"What \xff\xfe?"])):
-        error = proc.stderr.decode("utf-8")  # strict: a surrogate written out raw would not decode
-        assert proc.returncode == 2 and error.startswith("torchpatch explain: cannot tell which name 'What \ufffd\ufffd?'")
+    proc = run([b"What \xff\xfe?"])
+    error = proc.stderr.decode("utf-8")  # strict: a surrogate written out raw would not decode
+    assert proc.returncode == 2 and error.startswith("torchpatch explain: cannot tell which name 'What \ufffd\ufffd?'")
     proc = run(["-", "--torch", "2.1.2", "--json"], f"{PARTIAL}\n\xff\n".encode("latin-1"))
-    assert proc.returncode == 0 and json.loads(proc.stdout)["name"] == "torch.distributed._tensor.Partial"
+    error, = json.loads(proc.stdout)["errors"]  # standard input is a log
+    assert proc.returncode == 0 and error["explanation"]["name"] == "torch.distributed._tensor.Partial"
 
 
 @pytest.mark.torch_independent
