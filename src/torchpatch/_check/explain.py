@@ -376,6 +376,9 @@ def run(args: argparse.Namespace) -> int:
             query = parse(text)
         except ValueError:
             known = _known(text, _target_version(requested), Config.from_environ())
+            if known is None and os.sep in text and "\n" not in text.strip():
+                raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
+                                 f"it can read, one of:\n{FORMS}") from None
             if known is None:
                 raise
             if note:

@@ -119,6 +119,7 @@ def scan(stream: IO[bytes]) -> LogScan:
     out = LogScan()
     rest = b""
     number = 0  # lines before the block
+    unfinished = False  # the last block ended inside a line
     while True:
         chunk = stream.read(BLOCK)
         if not chunk and not rest:
@@ -135,8 +136,9 @@ def scan(stream: IO[bytes]) -> LogScan:
             cut = len(data)
         block, rest = data[:cut].decode("utf-8", "replace"), data[cut:]
         _scan_block(out, parse, triggers, block, number)
-        number += block.count("\n") + (not block.endswith("\n"))
-    out.lines = number
+        number += block.count("\n")  # a line cut at a block's end goes on in the next block
+        unfinished = not block.endswith("\n")
+    out.lines = number + unfinished
     return out
 
 
