@@ -109,9 +109,9 @@ KNOWN = [(entry["id"], example) for entry in logs.known_errors() for example in 
 def test_known_errors_data_is_complete():
     ids = {p.id: p for p in all_patches()}
     for entry in logs.known_errors():
-        assert {"id", "patterns", "torch", "meaning", "remedy", "upstream", "patch", "patch_note", "examples"} <= set(entry)
+        assert {"id", "patterns", "torch", "meaning", "remedy", "upstream", "patches", "patch_note", "examples"} <= set(entry)
         assert entry["upstream"].startswith("https://") and entry["examples"] and "\n" not in entry["remedy"]
-        assert entry["patch"] is None or entry["patch"] in ids, entry["patch"]
+        assert set(entry["patches"]) <= set(ids), entry["patches"]
         if entry["torch"]:
             _versions.matches(entry["torch"], "2.4.1")  # a specifier that parses
         for pattern in entry["patterns"]:
@@ -143,7 +143,7 @@ def test_explain_message_answers_each_known_error(entry_id, example):
 @pytest.mark.torch_independent
 def test_a_known_error_a_patch_removes_says_whether_that_patch_is_on(torch, env, state):
     _code, found = explain_json(HSDP_TP, "--torch", torch, env=clean_env(**(env or {})))
-    assert found["patch"]["patch"] == "fsdp2-hsdp-tp" and found["patch"]["state"] == state
+    assert [(p["patch"], p["state"]) for p in found["patches"]] == [("fsdp2-hsdp-tp", state)]
     assert found["raised_here"] == (torch == "2.4.1")
 
 
@@ -204,3 +204,12 @@ def test_the_real_command_prints_only_the_answer(tmp_path):
                               input=stdin, capture_output=True, env=clean_env(), timeout=300)
         assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
         json.loads(proc.stdout)
+
+
+@pytest.mark.torch_independent
+def test_a_message_of_several_lines_names_what_all_its_lines_name():
+    message = ("_pickle.UnpicklingError: Weights only load failed. This file can still be loaded\n\tWeightsUnpickler error: "
+               "Unsupported global: GLOBAL argparse.Namespace was not an allowed global by default.")
+    code, found = explain_json(message, "--torch", "2.9.0")
+    assert code == 1 and found["id"] == "weights-only-load" and found["details"] == ["argparse.Namespace"]
+    assert [(p["patch"], p["applies"]) for p in found["patches"]] == [("torch-load-weights-only-globals", True)]

@@ -340,17 +340,19 @@ def patch_state(patch_id: str, torch: str, patches: Sequence[Patch], cfg: Config
 
 
 def _known(text: str, torch: str, cfg: Config) -> Optional[Dict[str, Any]]:
-    """The answer about the last known error in ``text`` (a message, not a log), or None."""
-    from .logs import known_error_matches, known_report
+    """The answer about the last known error in ``text`` (a message, not a log; what its lines name
+    collected from all of them), or None."""
+    import io
 
-    for line in reversed(text.splitlines()):
-        matched = known_error_matches(line)
-        if matched:
-            entry = matched[0][0]
-            details = [d for e, d in matched if d and e is entry]
-            state = patch_state(entry["patch"], torch, all_patches(), cfg) if entry.get("patch") else None
-            return known_report(entry, details, torch, line.strip(), state)
-    return None
+    from .logs import known_errors, known_report, scan
+
+    found = [f for f in scan(io.BytesIO(text.encode("utf-8", "replace"))).found.values() if f.kind == "known"]
+    if not found:
+        return None
+    last = max(found, key=lambda f: f.first_line)
+    entry = next(e for e in known_errors() if e["id"] == last.key)
+    states = [patch_state(pid, torch, all_patches(), cfg) for pid in entry["patches"]]
+    return known_report(entry, last.details, torch, last.text, states)
 
 
 def _target_version(requested: Optional[str]) -> str:

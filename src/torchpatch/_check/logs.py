@@ -190,7 +190,7 @@ def _record(out: LogScan, parse: Any, text: str, rank: Optional[int], number: in
 
 
 def known_report(entry: Dict[str, Any], details: List[str], torch: str, text: str,
-                 patch_state: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+                 patches: List[Dict[str, Any]]) -> Dict[str, Any]:
     """The answer about a known error on ``torch``, as a JSON-ready dict."""
     raises_here = entry["torch"] is None or _versions.matches(entry["torch"], torch)
     return {
@@ -205,7 +205,7 @@ def known_report(entry: Dict[str, Any], details: List[str], torch: str, text: st
         "remedy": entry["remedy"],
         "upstream": entry["upstream"],
         "details": details,
-        "patch": patch_state,
+        "patches": patches,
         "patch_note": entry.get("patch_note"),
         "exit": 1,
     }
@@ -220,8 +220,7 @@ def format_known(report: Dict[str, Any], indent: str = "") -> List[str]:
     if report["details"]:
         lines.append(f"  it names     {', '.join(report['details'])}")
     lines.append(f"  remedy       {report['remedy']}")
-    patch = report["patch"]
-    if patch:
+    for patch in report["patches"]:
         lines.append(f"  patch        {patch['patch']}: {patch['state']}")
     if report["patch_note"]:
         lines.append(f"  torchpatch   {report['patch_note']}")
@@ -265,8 +264,8 @@ def explain_log(found: LogScan, source: str, requested: Optional[str], note: str
     for finding in sorted(found.found.values(), key=lambda f: f.first_line):
         if finding.kind == "known":
             entry = by_id[finding.key]
-            state = patch_state(entry["patch"], version, patches, cfg) if entry.get("patch") else None
-            report = known_report(entry, finding.details, version, finding.text, state)
+            states = [patch_state(pid, version, patches, cfg) for pid in entry["patches"]]
+            report = known_report(entry, finding.details, version, finding.text, states)
         else:
             report = explain(parse(finding.text), choose_target(requested, live=True), patches, cfg)
         errors.append(dict(finding.as_dict(), explanation=report))
