@@ -191,6 +191,9 @@ def test_a_missing_path_is_a_usage_error(tmp_path):
     proc = torchpatch_command("explain", tmp_path / "no-such.log")  # no such file: read as a message, in vain
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith(f"torchpatch explain: no such file: '{tmp_path / 'no-such.log'}' (a log to read?)")
+    proc = torchpatch_command("explain", tmp_path)
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.startswith(f"torchpatch explain: {tmp_path} is a "
+                                                                                 "directory: give a log file")
 
 
 @pytest.mark.torch_independent
@@ -199,11 +202,12 @@ def test_the_real_command_prints_only_the_answer(tmp_path):
     alone, stderr nothing, exit 0."""
     log = tmp_path / "job.log"
     log.write_text(_interleaved())
-    for args, stdin in (([str(log)], None), (["-"], b"\x00\xff\xfe" * 1000)):
+    for args, stdin in (([str(log)], None), (["-"], b"\x00\xff\xfe" * 1000), (["/dev/stdin"], log.read_bytes())):
         proc = subprocess.run([sys.executable, "-m", "torchpatch", "explain", *args, "--torch", "2.4.1", "--json"],
                               input=stdin, capture_output=True, env=clean_env(), timeout=300)
         assert proc.returncode == 0 and proc.stderr == b"", proc.stderr
-        json.loads(proc.stdout)
+        found = json.loads(proc.stdout)
+        assert found["binary"] == (args == ["-"]) and len(found["errors"]) == (0 if args == ["-"] else 2)
 
 
 @pytest.mark.torch_independent

@@ -368,8 +368,12 @@ def run(args: argparse.Namespace) -> int:
     if requested is None and _versions.torch_version() is None:
         requested = list(inventory_files())[-1]
         note = f"torch is not installed here: answering for the newest inventoried torch, {requested} (--torch to choose)"
-    if args.message == "-" or os.path.isfile(args.message):
-        from .logs import run_log
+    if os.sep in args.message and os.path.isdir(args.message):
+        print(f"torchpatch explain: {args.message} is a directory: give a log file, - for standard input, or a "
+              "message", file=sys.stderr)
+        return 2
+    if args.message == "-" or (os.path.exists(args.message) and not os.path.isdir(args.message)):
+        from .logs import run_log  # a log: a file, or a pipe (<(command), /dev/stdin)
 
         return run_log(args, requested, note)
     text = os.fsencode(args.message).decode(sys.getfilesystemencoding(), "replace")  # never surrogate escapes
