@@ -217,3 +217,11 @@ def test_a_message_of_several_lines_names_what_all_its_lines_name():
     code, found = explain_json(message, "--torch", "2.9.0")
     assert code == 1 and found["id"] == "weights-only-load" and found["details"] == ["argparse.Namespace"]
     assert [(p["patch"], p["applies"]) for p in found["patches"]] == [("torch-load-weights-only-globals", True)]
+
+
+def test_the_torch_the_logs_summary_line_names_is_pointed_out():
+    found = scan("torchpatch: 0.1.0 on torch 2.2.2, Python 3.11.7: applied 12 patches\n" + MISSING + "\n")
+    assert found.torch_in_log == "2.2.2"
+    report = logs.explain_log(found, "job.log", None)  # the installed torch answers
+    assert report["notes"] == ["the log's torchpatch summary line names torch 2.2.2: --torch 2.2.2 answers for it"]
+    assert logs.explain_log(found, "job.log", "2.2.2")["notes"] == []

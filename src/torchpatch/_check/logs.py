@@ -50,13 +50,18 @@ def _compiled() -> Tuple[Tuple[Pattern[str], ...], Tuple[Tuple[str, Pattern[str]
 
 def known_error_matches(line: str) -> List[Tuple[Dict[str, Any], Optional[str]]]:
     """The known-error entries ``line`` matches, each with what its ``detail`` group names (or None)."""
-    by_id = {e["id"]: e for e in known_errors()}
+    by_id = _by_id()
     out = []
     for entry_id, pattern in _compiled()[1]:
         match = pattern.search(line)
         if match:
             out.append((by_id[entry_id], match.groupdict().get("detail")))
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def _by_id() -> Dict[str, Dict[str, Any]]:
+    return {e["id"]: e for e in known_errors()}
 
 
 def strip_prefix(line: str) -> Tuple[Optional[int], str]:
@@ -113,8 +118,6 @@ _SUMMARY = re.compile(r"torchpatch: \S+ on torch (\d+\.\d+(?:\.\d+)?)")
 def scan(stream: IO[bytes]) -> LogScan:
     """Read ``stream`` in blocks of whole lines and collect every distinct error torchpatch knows: the
     patterns run over each block at once, the lines they hit are then read one by one."""
-    from .explain import parse
-
     triggers, _own = _compiled()
     out = LogScan()
     rest = b""
@@ -135,14 +138,14 @@ def scan(stream: IO[bytes]) -> LogScan:
                 continue
             cut = len(data)
         block, rest = data[:cut].decode("utf-8", "replace"), data[cut:]
-        _scan_block(out, parse, triggers, block, number)
+        _scan_block(out, triggers, block, number)
         number += block.count("\n")  # a line cut at a block's end goes on in the next block
         unfinished = not block.endswith("\n")
     out.lines = number + unfinished
     return out
 
 
-def _scan_block(out: LogScan, parse: Any, triggers: Tuple[Pattern[str], ...], block: str, number: int) -> None:
+def _scan_block(out: LogScan, triggers: Tuple[Pattern[str], ...], block: str, number: int) -> None:
     """The errors in ``block`` (whole lines; the first is line ``number + 1`` of the log)."""
     hits: Dict[int, bool] = {}  # where a line with a hit starts -> whether a known error's pattern hit it
     for known, patterns in ((True, triggers), (False, _ERROR_WORDS)):
@@ -160,7 +163,7 @@ def _scan_block(out: LogScan, parse: Any, triggers: Tuple[Pattern[str], ...], bl
         end = block.find("\n", start)
         rank, text = strip_prefix(block[start:end if end >= 0 else len(block)].rstrip("\r"))
         if hits[start]:
-            if _record(out, parse, text, rank, line_no):
+            if _record(out, text, rank, line_no):
                 continue
         if _ERROR_LINE.match(text):
             key = text.strip()[:300]
@@ -171,22 +174,30 @@ def _scan_block(out: LogScan, parse: Any, triggers: Tuple[Pattern[str], ...], bl
                 finding.seen(rank)
 
 
-def _record(out: LogScan, parse: Any, text: str, rank: Optional[int], number: int) -> bool:
-    """Add the known errors of one line (prefixes stripped) to ``out``; whether it had one."""
+@functools.lru_cache(maxsize=4096)  # the same error line, printed by every rank and every step, is read once
+def _classify(text: str) -> Tuple[Tuple[str, str, str, Optional[str]], ...]:
+    """``(kind, key, text, detail)`` of each known error one line (prefixes stripped) holds."""
+    from .explain import parse
+
     matched = known_error_matches(text)
-    for entry, detail in matched:
-        finding = out.found.setdefault(("known", entry["id"]), Finding("known", entry["id"], text.strip(), number))
-        finding.seen(rank, detail)
     if matched:
-        return True
+        return tuple(("known", entry["id"], text.strip(), detail) for entry, detail in matched)
     try:
         query = parse(text)
     except ValueError:
-        return False
-    finding = out.found.setdefault(("name", f"{query.form}:{query.name}"),
-                                   Finding("name", query.name, query.text, number))
-    finding.seen(rank)
-    return True
+        return ()
+    return (("name", query.name, query.text, f"{query.form}:{query.name}"),)
+
+
+def _record(out: LogScan, text: str, rank: Optional[int], number: int) -> bool:
+    """Add the known errors of one line (prefixes stripped) to ``out``; whether it had one."""
+    found = _classify(text)
+    for kind, key, shown, detail in found:
+        if kind == "known":
+            out.found.setdefault((kind, key), Finding(kind, key, shown, number)).seen(rank, detail)
+        else:  # a name: the form and the name tell one from another
+            out.found.setdefault((kind, str(detail)), Finding(kind, key, shown, number)).seen(rank)
+    return bool(found)
 
 
 def known_report(entry: Dict[str, Any], details: List[str], torch: str, text: str,
