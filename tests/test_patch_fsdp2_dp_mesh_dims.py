@@ -20,7 +20,7 @@ import pytest
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies, where_patch_does_not_apply
+    only_torch, through_patch_range, where_patch_applies
 )
 from test_patch_fsdp2_spmd_types import RANKS_BODY as SPMD_TYPES_RANKS
 
@@ -202,7 +202,7 @@ def test_fsdp_tp_over_full_mesh_is_refused(tmp_path, shape, names, replicate):
 
 
 @needs_spmd_types
-@where_patch_does_not_apply("fsdp2-dp-mesh-dims", "torch's own FSDP+TP over a full SPMD mesh")
+@only_torch(">=2.12", "torch's own FSDP+TP over a full SPMD mesh (2.12 added it; spmd_types needs 2.5+'s custom_op)")
 @pytest.mark.parametrize("shape, names", [
     ((2, 2), ("dp_shard", "tp")),  # FSDP+TP
     ((2, 1, 2), ("dp_replicate", "dp_shard", "tp")),  # HSDP+TP (the shard dim of one rank: 4 ranks)
