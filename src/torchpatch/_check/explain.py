@@ -339,20 +339,21 @@ def patch_state(patch_id: str, torch: str, patches: Sequence[Patch], cfg: Config
             "enabled": bool(decision and decision.enabled), "state": state}
 
 
-def _known(text: str, torch: str, cfg: Config) -> Optional[Dict[str, Any]]:
-    """The answer about the last known error in ``text`` (a message, not a log; what its lines name
-    collected from all of them), or None."""
+def _known(text: str, requested: Optional[str], cfg: Config) -> Optional[Dict[str, Any]]:
+    """The answer about the last known error (or error a patch fixes) in ``text`` (a message, not a
+    log; what its lines name collected from all of them) on the torch ``requested`` (None: the
+    installed one), or None."""
     import io
 
-    from .logs import known_errors, known_report, scan
+    from .fixes import report_for
+    from .logs import known_errors, scan
 
     found = [f for f in scan(io.BytesIO(text.encode("utf-8", "replace"))).found.values() if f.kind == "known"]
     if not found:
         return None
     last = max(found, key=lambda f: f.first_line)
     entry = next(e for e in known_errors() if e["id"] == last.key)
-    states = [patch_state(pid, torch, all_patches(), cfg) for pid in entry["patches"]]
-    return known_report(entry, last.details, torch, last.text, states)
+    return report_for(entry, last.details, _target_version(requested), last.text, all_patches(), cfg)
 
 
 def _target_version(requested: Optional[str]) -> str:
@@ -378,19 +379,19 @@ def run(args: argparse.Namespace) -> int:
         return run_log(args, requested, note)
     text = os.fsencode(args.message).decode(sys.getfilesystemencoding(), "replace")  # never surrogate escapes
     try:
-        try:
-            query = parse(text)
-        except ValueError:
-            known = _known(text, _target_version(requested), Config.from_environ())
-            if known is None and os.sep in text and "\n" not in text.strip():
-                raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
-                                 f"it can read, one of:\n{FORMS}") from None
-            if known is None:
-                raise
+        known = _known(text, requested, Config.from_environ())  # a known error, or one a patch fixes, first
+        if known is not None:
             if note:
                 known["notes"] = [note]
             print(json.dumps(known, indent=2) if args.json else "\n".join(_format_known(known)))
             return int(known["exit"])
+        try:
+            query = parse(text)
+        except ValueError:
+            if os.sep in text and "\n" not in text.strip():
+                raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
+                                 f"it can read, one of:\n{FORMS}") from None
+            raise
         target = choose_target(requested, live=True)
         report = explain(query, target, note=note)
     except (ValueError, CheckError) as exc:

@@ -18,6 +18,7 @@ from typing import IO, Any, Dict, List, Optional, Pattern, Tuple
 
 from .. import _versions
 from .._registry import catalogue_data
+from .fixes import PATCH_ERROR, format_fix
 
 BLOCK = 1 << 22  # bytes read at a time (whole lines; a longer line is cut there)
 SNIFF = 1 << 16  # a NUL byte in the first bytes: binary data
@@ -33,8 +34,11 @@ _ERROR_WORDS = tuple(re.compile(word + r"(?::|$)", re.M) for word in ("Error", "
 
 @functools.lru_cache(maxsize=None)
 def known_errors() -> Tuple[Dict[str, Any], ...]:
-    """The entries of ``patches/_data/known_errors.json``."""
-    return tuple(json.loads((catalogue_data() / "known_errors.json").read_text())["entries"])
+    """The entries of ``patches/_data/known_errors.json``, then one per patch with ``errors``
+    (:func:`~.fixes.fix_entries`)."""
+    from .fixes import fix_entries
+
+    return tuple(json.loads((catalogue_data() / "known_errors.json").read_text())["entries"]) + fix_entries()
 
 
 @functools.lru_cache(maxsize=None)
@@ -223,7 +227,9 @@ def known_report(entry: Dict[str, Any], details: List[str], torch: str, text: st
 
 
 def format_known(report: Dict[str, Any], indent: str = "") -> List[str]:
-    """The lines for people about one known error."""
+    """The lines for people about one known error (or an error a patch fixes)."""
+    if report["form"] == PATCH_ERROR:
+        return format_fix(report, indent)
     lines = [f"torchpatch explain: a known error ({report['id']})", f"  read from    {report['query'][:300]}",
              f"  on torch     {report['torch']}" + ("" if report["raised_here"] else
                                                    f" (torch raises it on {report['raised_on']}, not here)"),
@@ -264,7 +270,8 @@ def explain_log(found: LogScan, source: str, requested: Optional[str], note: str
     """The answer about a whole log, as a JSON-ready dict: each distinct known error explained once."""
     from .._config import Config
     from .._registry import all_patches
-    from .explain import explain, parse, patch_state
+    from .explain import explain, parse
+    from .fixes import report_for
     from .target import choose_target
 
     cfg = Config.from_environ()
@@ -274,9 +281,7 @@ def explain_log(found: LogScan, source: str, requested: Optional[str], note: str
     errors = []
     for finding in sorted(found.found.values(), key=lambda f: f.first_line):
         if finding.kind == "known":
-            entry = by_id[finding.key]
-            states = [patch_state(pid, version, patches, cfg) for pid in entry["patches"]]
-            report = known_report(entry, finding.details, version, finding.text, states)
+            report = report_for(by_id[finding.key], finding.details, version, finding.text, patches, cfg)
         else:
             report = explain(parse(finding.text), choose_target(requested, live=True), patches, cfg)
         errors.append(dict(finding.as_dict(), explanation=report))
