@@ -135,16 +135,16 @@ def test_explain_message_answers_each_known_error(entry_id, example):
     assert (found["remedy"], found["upstream"]) == (entry["remedy"], entry["upstream"])
 
 
-@pytest.mark.parametrize("torch, env, state", [
-    ("2.4.1", None, "on here (on by default); it acts in processes started with TORCHPATCH=1"),
-    ("2.4.1", {"TORCHPATCH_FSDP2_HSDP_TP": "0"}, "off here: TORCHPATCH_FSDP2_HSDP_TP=0"),
-    ("2.9.0", None, "not for torch 2.9.0: it applies to torch >=2.4,<2.5"),
+@pytest.mark.parametrize("torch, env, state, verdict", [
+    ("2.4.1", None, "on here (on by default); it acts in processes started with TORCHPATCH=1", "fixed here"),
+    ("2.4.1", {"TORCHPATCH_FSDP2_HSDP_TP": "0"}, "off here: TORCHPATCH_FSDP2_HSDP_TP=0", "switched off"),
+    ("2.9.0", None, "not for torch 2.9.0: it applies to torch >=2.4,<2.5", "not for this torch"),
 ])
 @pytest.mark.torch_independent
-def test_a_known_error_a_patch_removes_says_whether_that_patch_is_on(torch, env, state):
-    _code, found = explain_json(HSDP_TP, "--torch", torch, env=clean_env(**(env or {})))
-    assert [(p["patch"], p["state"]) for p in found["patches"]] == [("fsdp2-hsdp-tp", state)]
-    assert found["raised_here"] == (torch == "2.4.1")
+def test_an_error_a_patch_fixes_says_whether_that_patch_is_on(torch, env, state, verdict):
+    code, found = explain_json(HSDP_TP, "--torch", torch, env=clean_env(**(env or {})))
+    assert (found["form"], found["patch"], found["state"], found["verdict"]) == ("patch error", "fsdp2-hsdp-tp", state, verdict)
+    assert code == found["exit"] == (0 if verdict == "fixed here" else 1)
 
 
 @pytest.mark.torch_independent

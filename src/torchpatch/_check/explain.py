@@ -351,9 +351,13 @@ def _known(text: str, requested: Optional[str], cfg: Config) -> Optional[Dict[st
     found = [f for f in scan(io.BytesIO(text.encode("utf-8", "replace"))).found.values() if f.kind == "known"]
     if not found:
         return None
-    last = max(found, key=lambda f: f.first_line)
-    entry = next(e for e in known_errors() if e["id"] == last.key)
-    return report_for(entry, last.details, _target_version(requested), last.text, all_patches(), cfg)
+    version = _target_version(requested)
+    line = max(f.first_line for f in found)
+    by_id = {e["id"]: e for e in known_errors()}
+    # of the entries the last such line matches (two patches may fix one error), one that applies here first
+    last = sorted([f for f in found if f.first_line == line],
+                  key=lambda f: not _versions.matches(by_id[f.key]["torch"] or ">=0", version))[0]
+    return report_for(by_id[last.key], last.details, version, last.text, all_patches(), cfg)
 
 
 def _target_version(requested: Optional[str]) -> str:

@@ -52,7 +52,7 @@ PATCH = Patch(
     behaviour="DTensor ops without a sharding strategy gather their inputs and run",
     errors=(
         Error(r'Operator (?!aten\.(?:linspace|logspace)\.)[\w.]+ does not have a sharding strategy registered',
-              "NotImplementedError: Operator mylib.fused_attn.default does not have a sharding strategy registered."),
+              "NotImplementedError: Operator tpmix.fused_attn.default does not have a sharding strategy registered."),
     ),
 )
 
