@@ -291,7 +291,9 @@ shell's TORCHPATCH_* variables have that patch on), or why it cannot be backport
 
 {FORMS}
 
-Known errors no patch makes go away (patches/_data/known_errors.json: torch 2.4's `2D state_dict is
+An error a patch fixes (its Patch(errors=...): `Cannot use ReduceOp.AVG with Gloo`, `cannot pickle
+'...ProcessGroup' object`, ...) names that patch and whether it acts on the chosen torch: on (exit 0),
+switched off by a flag, or for other torch versions (exit 1). Known errors no patch makes go away (patches/_data/known_errors.json: torch 2.4's `2D state_dict is
 under development`, `Weights only load failed`, DCP's `Missing key in checkpoint state_dict`, DTensor's
 `in-place operations that require placement changes`, ...) get their meaning, a one-line remedy and
 the upstream link. A message with several lines: the last error in it counts.
@@ -307,8 +309,8 @@ printed it; the other error lines are listed as not known:
 inventory cannot say); where torch is not installed, the newest inventoried torch. Members are known
 for torch.distributed's classes (the inventories record their class-level members).
 
-Verdicts of a message: native, served (exit 0); switched off, not backportable, missing, unknown,
-known error (exit 1). A log: exit 0 once it was read (empty, binary or without known errors too).
+Verdicts of a message: native, served, fixed here (exit 0); switched off, not backportable, missing,
+unknown, not for this torch, known error (exit 1). A log: exit 0 once it was read (empty, binary or without known errors too).
 Exit 2: a usage error (a message it cannot read, an unreadable PATH, an unknown --torch).
 """
 

@@ -73,6 +73,8 @@ PATCH = Patch(
     errors=(
         Error(r"'_OpNamespace' '_c10d_functional' object has no attribute '\w+'",
               "AttributeError: '_OpNamespace' '_c10d_functional' object has no attribute 'reduce_scatter_tensor'"),
+        Error(r"type object 'torch\._C\._distributed_c10d\.ProcessGroup' has no attribute 'group_name'",
+              "AttributeError: type object 'torch._C._distributed_c10d.ProcessGroup' has no attribute 'group_name'"),
     ),
 )
 
