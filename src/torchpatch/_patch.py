@@ -123,9 +123,10 @@ class Patcher:
 @dataclass(frozen=True)
 class Error:
     """An error a patch makes go away, as users see it: ``pattern``, a regular expression searched in
-    one line of a message or log (rank prefixes stripped), specific to this error; ``example``, that
-    line as the patch's native-failure test really meets it (``ExceptionType: message``), which the
-    pattern must match (tests/test_explain_fixes.py holds both to what the test raises)."""
+    one line of a message or log (rank prefixes stripped), specific to this error; ``example``, the
+    message as the patch's native-failure test really meets it (``ExceptionType: message`` on one line;
+    a long one may end in ``...``), which the pattern must match (tests/test_explain_fixes.py holds
+    both to what the test raised, ``_data/native_errors.json``)."""
 
     pattern: str
     example: str

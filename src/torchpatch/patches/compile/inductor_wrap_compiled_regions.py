@@ -36,7 +36,7 @@ PATCH = Patch(
     behaviour="torch.compile accepts the Inductor option wrap_inductor_compiled_regions (same values)",
     errors=(
         Error(r'Unexpected optimization option wrap_inductor_compiled_regions',
-              "RuntimeError: Unexpected optimization option wrap_inductor_compiled_regions, known options are ..."),
+              "RuntimeError: Unexpected optimization option wrap_inductor_compiled_regions, known options are ['TYPE_CHECKING', ..."),
     ),
 )
 

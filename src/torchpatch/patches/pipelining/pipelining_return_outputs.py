@@ -29,8 +29,8 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/tree/v2.13.0/torch/distributed/pipelining/schedules.py",
     behaviour="PipelineSchedule.step(return_outputs=...)",
     errors=(
-        Error(r"unexpected keyword argument 'return_outputs'",
-              "TypeError: PipelineScheduleSingle.step() got an unexpected keyword argument 'return_outputs'"),
+        Error(r"kwargs: \{.*'return_outputs': ",
+              "RuntimeError: [Stage 0] failed to run forward: args: ('Tensor(torch.Size([2, 6]), grad=False, dtype=torch.float64)',) kwargs: {'return_outputs': 'False'}"),
     ),
 )
 
