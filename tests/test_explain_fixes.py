@@ -36,6 +36,7 @@ NO_PATTERN = {
     "dcp-metadata-strides": "`ValueError: too many values to unpack (expected 5)` while unpickling the metadata, a "
                             "message any code can raise",
     "gloo-exit-abort": "a C++ abort at exit in gloo's worker threads, no Python exception",
+    "gloo-destroy-hang": "a hang in destroy_process_group (gloo's workers joined with the GIL held), no message",
     "pipelining-gloo-p2p": "gloo's receive timeout, which any collective waiting on a dead peer raises",
     "pipelining-presplit-inputs": "the schedule's own assertion deep in its microbatch split, with no message of its own",
     "xla-parallelize": "torch_xla's sharding of a DTensor parameter fails inside torch_xla",
