@@ -8,7 +8,9 @@
                           # and Ray Train, accelerate and DeepSpeed's launchers on 2.13.0 (the launchers session)
 
 The matrix sessions leave the tests marked ``torch_independent`` (stand-in targets, no torch in the
-process, packaging) to the quick suite: their result is the same on every torch.
+process, packaging) to the quick suite: their result is the same on every torch. A patch's test file runs
+on the torches of ``MATRIX`` inside its range, the nearest outside each end and the newest
+(tests/conftest.py's ``patch_file_runs_here``, docs/tests.md).
 
 Each session installs the *built wheel* of torchpatch (not an editable install) next to one torch.
 Virtual environments live outside the repo and are reused between runs (each CUDA torch venv is
@@ -165,8 +167,10 @@ def matrix(session: nox.Session, torch: str) -> None:
 # (not named "torchtitan": its venv would take the directory that holds the releases)
 @nox.session(name="torchtitan-on-2.13", tags=["matrix"])
 def torchtitan_on_default_torch(session: nox.Session) -> None:
-    """torchtitan 0.2.2 and 0.3.0 on torch 2.13.0 (with Triton): tests/test_torchtitan.py."""
-    _run_suite(session, DEFAULT_TORCH, torchtitan=True, extra=(TORCHTITAN_TRITON,), tests=("tests/test_torchtitan.py",))
+    """torchtitan 0.2.2 and 0.3.0 on torch 2.13.0 (with Triton): tests/test_torchtitan.py, and the import
+    survey in a file of its own, which the second worker runs beside the training runs."""
+    _run_suite(session, DEFAULT_TORCH, torchtitan=True, extra=(TORCHTITAN_TRITON,),
+               tests=("tests/test_torchtitan.py", "tests/test_torchtitan_imports.py"))
 
 
 @nox.session(tags=["matrix"])

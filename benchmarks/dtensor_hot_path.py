@@ -27,11 +27,20 @@ be slow for one side is a bias this cannot rule out). The ``calls`` counts below
    ``hsdp_tp_step``, the MLP tensor-parallel on ``tp`` then ``fully_shard`` (HSDP) on the 2-D
    ``(dp_replicate, dp_shard)`` mesh, forward, backward, SGD; its CPU ratio (target <= 1.02) and calls.
    With 8 ranks on fewer cores, rank 0's thread time still counts only its own work.
+5. ``--in-process``: the jobs run with ``TORCHPATCH=1`` only, and each alternates its timed blocks
+   between torchpatch installed and taken back (``torchpatch.uninstall()``, then ``install()``), after
+   an untimed call each: the ratio is the median of the jobs' own ratios, free of the differences
+   between processes (layout, placement) that dominate the spread of separate jobs on a shared
+   machine. It measures what the patches cost per call, not what importing torchpatch changed;
+   where a live object keeps a wrapper after ``uninstall()``, those calls are paid on both sides
+   and listed. It also counts every Python call (any code's, builtins included) of one step on each
+   side: deterministic, where the times of a shared machine are not.
 
     python benchmarks/dtensor_hot_path.py --python ~/.cache/torchpatch/nox/matrix-torch-2-9-0/bin/python
     python benchmarks/dtensor_hot_path.py --python PY --pairs 9 --json
     python benchmarks/dtensor_hot_path.py --python PY --3d --pairs 5
     python benchmarks/dtensor_hot_path.py --python PY --3d --calls-only     # one job, the exact counts
+    python benchmarks/dtensor_hot_path.py --python PY --3d --in-process --pairs 9
     python benchmarks/dtensor_hot_path.py --device cuda --backend nccl --pairs 3   # one GPU: 1 rank
 
 ``--python`` is an interpreter with torch. torchpatch is the one installed there (the wheel: reinstall
@@ -113,37 +122,49 @@ def _worker(config: Dict[str, Any]) -> None:
         return a @ w
 
     ops = {"add": add, "sum": sum_, "mul_number": mul_number, "redistribute": redistribute, "matmul": matmul}
-    result: Dict[str, Any] = {"us": {}, "errors": {}, "calls": {}}
+    result: Dict[str, Any] = {"us": {}, "us_uninstalled": {}, "errors": {}, "calls": {}, "calls_uninstalled": {},
+                              "python_calls": {}}
 
     store = dist.distributed_c10d._get_default_store()
 
-    def per_call(fn: Any, n: int, repeat: int, alone: bool = False) -> float:
-        """Median CPU per call over ``repeat`` blocks of ``n``; ``alone`` (an op without
-        communication): rank 1 blocks on the store meanwhile (gloo's barrier polls, and on a 2-vCPU
-        machine the other vCPU may be this core's hyperthread), so rank 0 has the core to itself."""
+    sides = (True, False) if config["in_process"] else (None,)
+
+    def per_call(fn: Any, n: int, repeat: int, alone: bool = False) -> Dict[Any, float]:
+        """Median CPU per call over ``repeat`` blocks of ``n``, by side: with ``in_process``, blocks
+        with torchpatch installed (True) and uninstalled (False) alternate, the first side alternating
+        too, each after an untimed call. ``alone`` (an op without communication): rank 1 blocks on the
+        store meanwhile (gloo's barrier polls, and on a 2-vCPU machine the other vCPU may be this
+        core's hyperthread), so rank 0 has the core to itself."""
         key = f"hot-path/{fn.__name__}/{n}"
         if alone and rank != 0:
             store.get(key)
-            return 0.0
+            return {side: 0.0 for side in sides}
         for _ in range(max(5, n // 4)):  # warm-up: sharding caches filled
             fn()
-        times = []
-        for _ in range(repeat):
-            sync()  # a GPU's queue drained outside the timed block (a wait would count as CPU)
-            if not alone:
-                dist.barrier()
-            start = time.thread_time_ns()
-            for _ in range(n):
-                fn()
-            times.append((time.thread_time_ns() - start) / n / 1000)
+        times: Dict[Any, List[float]] = {side: [] for side in sides}
+        for block in range(repeat):
+            for side in (sides if block % 2 == 0 else sides[::-1]):
+                if side is not None:
+                    _install(side)
+                    fn()
+                sync()  # a GPU's queue drained outside the timed block (a wait would count as CPU)
+                if not alone:
+                    dist.barrier()
+                start = time.thread_time_ns()
+                for _ in range(n):
+                    fn()
+                times[side].append((time.thread_time_ns() - start) / n / 1000)
+        if sides[0] is not None:  # installed again, its caches refilled (the calls counted next)
+            _install(True)
+            fn()
         if alone:
             store.set(key, "done")
-        return statistics.median(times)
+        return {side: statistics.median(values) for side, values in times.items()}
 
     for name, fn in ops.items():
         if name not in config["measures"]:
             continue
-        result["us"][name] = per_call(fn, per_block, blocks, alone=(name != "redistribute"))
+        _record(result, name, per_call(fn, per_block, blocks, alone=(name != "redistribute")))
         if count_calls and (rank == 0 or name == "redistribute"):  # a collective: both ranks
             result["calls"][name] = _calls_in(fn)
 
@@ -153,12 +174,20 @@ def _worker(config: Dict[str, Any]) -> None:
             continue
         try:
             step = make(mesh)
-            result["us"][name] = per_call(step, 1, steps)
+            _record(result, name, per_call(step, 1, steps))
         except Exception as exc:  # noqa: BLE001 - reported, the other measurements stand
             result["errors"][name] = f"{type(exc).__name__}: {str(exc)[:300]}"
             continue
         if count_calls:
             result["calls"][name] = _calls_in(step)
+            if config["in_process"]:  # what uninstalling leaves behind (a wrapper a live object holds)
+                on = _python_calls(step)
+                _install(False)
+                step()
+                result["calls_uninstalled"][name] = _calls_in(step)
+                result["python_calls"][name] = {"on": on, "uninstalled": _python_calls(step)}
+                _install(True)
+                step()
     dist.barrier()
     if rank == 0:
         import torchpatch  # importing it installs nothing: did TORCHPATCH (or its absence) hold?
@@ -167,6 +196,22 @@ def _worker(config: Dict[str, Any]) -> None:
         result["failed"] = sorted(k for k, v in torchpatch.status().items() if v == "failed")
         print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)  # gloo's teardown can hang on some torches: leave deterministically
+
+
+def _install(on: bool) -> None:
+    """``--in-process``: torchpatch installed (as ``TORCHPATCH=1`` did) or taken back whole."""
+    import torchpatch
+
+    if on and not torchpatch.is_installed():
+        torchpatch.install()
+    elif not on:
+        torchpatch.uninstall()
+
+
+def _record(result: Dict[str, Any], name: str, by_side: Dict[Any, float]) -> None:
+    result["us"][name] = by_side.get(True, by_side.get(None))
+    if False in by_side:
+        result["us_uninstalled"][name] = by_side[False]
 
 
 def _mlp() -> Any:
@@ -259,6 +304,24 @@ def _calls_in(step: Any) -> Dict[str, int]:
     return counts
 
 
+def _python_calls(step: Any) -> int:
+    """Every call during one call of ``step`` that the profiler sees, any code's: Python functions and
+    the builtins they call (what a patch adds to torch's own Python work, deterministically)."""
+    count = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal count
+        if event in ("call", "c_call"):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 # -- the parent: alternated jobs -------------------------------------------------------------------
 
 def _free_port() -> int:
@@ -282,7 +345,8 @@ def _job(python: str, env_side: Dict[str, str], args: argparse.Namespace, count_
     env.update(env_side, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.ranks),
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TORCHPATCH_LOG="off")
     config = {"blocks": args.blocks, "per_block": args.per_block, "steps": args.steps, "count_calls": count_calls,
-              "device": args.device, "backend": args.backend, "measures": args.measures}
+              "device": args.device, "backend": args.backend, "measures": args.measures,
+              "in_process": args.in_process and env_side.get("TORCHPATCH") == "1"}
     command = [python, __file__, "--worker", json.dumps(config)]
     setarch = shutil.which("setarch")
     if setarch and not args.aslr:  # the same addresses in every process: see the module's docstring
@@ -351,6 +415,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--ranks", type=int, default=None,
                         help="ranks per job (default: 8 with --3d, 1 with --device cuda, else 2)")
     parser.add_argument("--calls-only", action="store_true", help="only count the calls, in one TORCHPATCH=1 job")
+    parser.add_argument("--in-process", action="store_true",
+                        help="each job (TORCHPATCH=1) also times blocks with torchpatch uninstalled, alternated in "
+                             "the same process: the ratio per job, without the differences between processes")
     parser.add_argument("--src", action="store_true",
                         help="run this checkout's src/ (the default where --python has no torchpatch installed)")
     args = parser.parse_args(argv)
@@ -375,6 +442,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     sides: Dict[str, List[Dict[str, Any]]] = {"on": [], "off": [], "needs": []}
     calls: Dict[str, Dict[str, int]] = {}
     for pair in range(args.pairs):
+        if args.in_process:  # both sides in each job
+            result = _job(args.python, on, args, count_calls=not calls)
+            calls = calls or result["calls"]
+            sides["on"].append(result)
+            sides["off"].append({"us": result["us_uninstalled"], "errors": result["errors"]})
+            continue
         order = [("on", on), ("off", {})] if pair % 2 == 0 else [("off", {}), ("on", on)]
         for side, env_side in order:
             result = _job(args.python, env_side, args, count_calls=(side == "on" and not calls))
@@ -387,6 +460,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     report: Dict[str, Any] = {"torch": version, "pairs": args.pairs, "ranks": args.ranks, "device": args.device,
                               "backend": args.backend, "src": args.src, "on": on, "measures": {}, "calls": calls}
+    if args.in_process:
+        report["calls_uninstalled"] = sides["on"][0]["calls_uninstalled"] if sides["on"] else {}
+        report["python_calls"] = sides["on"][0]["python_calls"] if sides["on"] else {}
     met = True
     for name, target in TARGETS.items():
         if name not in args.measures:
@@ -402,11 +478,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             met = False
             continue
         ratio = statistics.median(on_us) / statistics.median(off_us)
+        spread = max(_spread(on_us), _spread(off_us))
+        if args.in_process:  # paired: the median of the jobs' own ratios, and their spread
+            baseline = "uninstalled, alternated in the same process"
+            ratios = [a / b for a, b in zip(on_us, off_us)]
+            ratio, spread = statistics.median(ratios), _spread(ratios)
         met &= ratio <= target
         report["measures"][name] = {"on_us": round(statistics.median(on_us), 2),
                                     "off_us": round(statistics.median(off_us), 2), "ratio": round(ratio, 3),
-                                    "target": target, "baseline": baseline,
-                                    "spread": round(max(_spread(on_us), _spread(off_us)), 2),
+                                    "target": target, "baseline": baseline, "spread": round(spread, 2),
                                     "on_jobs": [round(v, 1) for v in on_us], "off_jobs": [round(v, 1) for v in off_us]}
     step_calls = {name: sum(counts.values()) for name, counts in calls.items() if name in STEPS}
     report["step_calls"] = step_calls
@@ -427,6 +507,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         for step, counts in calls.items():  # the ops, then the steps
             top = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:6])
             print(f"  calls into torchpatch per {step}: {sum(counts.values())}" + (f" ({top})" if top else ""))
+        for step, counts in report.get("calls_uninstalled", {}).items():
+            print(f"  calls into torchpatch per {step} after uninstall() (both sides pay them): {sum(counts.values())}")
+        for step, n in report.get("python_calls", {}).items():
+            print(f"  Python calls per {step}, any code's: {n['on']} installed, {n['uninstalled']} uninstalled "
+                  f"({n['on'] / n['uninstalled']:.4f})")
         print("every target met" if met else "some target missed")
     return 0 if met else 1
 

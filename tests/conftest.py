@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
+import hashlib
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import pytest
 
@@ -146,12 +149,49 @@ NEWEST_TORCH_PYTHON = matrix_python("2.15.0")
 def run_newest_torch_json(code: str, *args: str) -> Any:
     """Run ``code`` (printing one JSON document last) natively on torch 2.15's matrix venv, in a
     subprocess (forked from a warm interpreter of that venv where :func:`run_py` would fork); skip the
-    test where that venv does not exist."""
+    test where that venv does not exist. Without ``args`` the document is remembered (newest_torch_cached)."""
     if not NEWEST_TORCH_PYTHON.exists():
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
-    proc = forkserver.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(), timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def compute() -> Any:
+        proc = forkserver.run([str(NEWEST_TORCH_PYTHON), "-c", textwrap.dedent(code), *args], env=clean_env(),
+                              timeout=180)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return compute() if args else newest_torch_cached(code, compute)
+
+
+# pytest's cache (.pytest_cache, one per checkout: shared by the nox sessions of a CI run and by their
+# pytest-xdist workers); None where the cacheprovider plugin is off (-p no:cacheprovider).
+_PYTEST_CACHE: Any = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _PYTEST_CACHE
+    _PYTEST_CACHE = getattr(config, "cache", None)
+
+
+def newest_torch_cached(program: str, compute: Callable[[], Any]) -> Any:
+    """What torch 2.15.0 natively gives for ``program`` (a script's text, taking no argument, file or
+    port: its output is a function of the text and the torch alone), computed once per checkout: the
+    sessions of other torches compare with it (4 of them: 15-20 s each on 2 cores for
+    create_block_mask's compiled masks). Keyed by the program and the 2.15 venv's torch version."""
+    if _PYTEST_CACHE is None:
+        return compute()
+    key = hashlib.sha256(f"{_newest_torch_version()}\0{program}".encode()).hexdigest()
+    cached = _PYTEST_CACHE.get(f"torchpatch/newest-torch/{key}", None)
+    if cached is None:
+        cached = {"value": compute()}
+        _PYTEST_CACHE.set(f"torchpatch/newest-torch/{key}", cached)
+    return cached["value"]
+
+
+@functools.lru_cache(maxsize=None)
+def _newest_torch_version() -> str:
+    """The torch version installed in the 2.15 venv (its dist-info's name)."""
+    infos = sorted(NEWEST_TORCH_PYTHON.parent.parent.glob("lib/python*/site-packages/torch-*.dist-info"))
+    return ",".join(info.name for info in infos) or "unknown"
 
 
 # Test scripts that exercise the engine on the demo plugin's fake targets start with this line: the
@@ -242,7 +282,8 @@ RESULT = "TORCHPATCH-TEST-RESULT "
 # collected first: pytest-xdist (``--dist loadfile --no-loadscope-reorder``, the noxfile) hands out whole
 # files in collection order, and a long file started last would keep one worker busy alone while the
 # other idles. (Without ``--no-loadscope-reorder`` xdist orders files by their number of tests instead.)
-COLLECTED_FIRST = ("test_torchtitan.py", "test_survey.py", "test_dtensor_fuzz.py", "test_forkserver.py",
+COLLECTED_FIRST = ("test_torchtitan.py", "test_torchtitan_imports.py", "test_survey.py", "test_dtensor_fuzz.py",
+                   "test_forkserver.py",
                    "test_cluster_shapes.py", "test_patch_xla_parallelize.py",
                    "test_engine_torch.py", "test_patch_dtensor_mixed.py", "test_engine.py", "test_check.py",
                    "test_report.py", "test_activation.py", "test_torchrun.py", "test_example.py", "test_check_source.py",
@@ -258,9 +299,56 @@ def _process_kind(request: pytest.FixtureRequest):
     forkserver.allowed = True
 
 
+# The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH).
+MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(
+    r'^(?:\s*|DEFAULT_TORCH = )"(\d+\.\d+\.\d+)"', (REPO / "noxfile.py").read_text(), re.M)})
+# Set to 1 to run every patch's test file and every ``plumbing`` test on any torch (patch_file_runs_here).
+EVERY_TORCH = os.environ.get("PATCH_TESTS_ON_EVERY_TORCH") == "1"
+
+
+def patch_file_runs_here(patch_id: str) -> bool:
+    """Whether the test file of the catalogue patch ``patch_id`` (tests/test_patch_<id>.py) runs on the
+    installed torch. On CI's torches (``MATRIX_MINORS``) it runs where the patch applies, on the nearest of
+    them outside each end of its range (where it must stay inactive, and torch's own behaviour takes
+    over), and on the newest (the oracle: inactive, and the served behaviour is torch's); on a matrix torch
+    farther from the range the file would only check inactivity again. Any other torch runs every file."""
+    minor = tuple((_versions.release(TORCH) or ())[:2])
+    if EVERY_TORCH or minor not in MATRIX_MINORS:
+        return True
+    first, end = _versions.minor_range(PATCH_TORCH[patch_id])
+    below = [m for m in MATRIX_MINORS if m < first]
+    above = [m for m in MATRIX_MINORS if end is not None and m >= end]
+    return (patch_applies_here(patch_id) or minor == MATRIX_MINORS[-1]
+            or minor in (below[-1:] + above[:1]))
+
+
+# The matrix torches that run the tests marked ``plumbing`` (the engine's process plumbing with a real torch:
+# start-up activation, per-process reports, torchrun's workers, the suite's fork server), whose outcome
+# depends on how a torch starts and launches rather than on which patches apply: the oldest, the first of
+# the 2.4+ range that matters most, the default and the newest. The torches between them run the same code.
+PLUMBING_MINORS = (MATRIX_MINORS[0], (2, 4), _versions.release(re.search(
+    r'^DEFAULT_TORCH = "([\d.]+)"', (REPO / "noxfile.py").read_text(), re.M).group(1))[:2], MATRIX_MINORS[-1])
+
+
+def plumbing_runs_here() -> bool:
+    minor = tuple((_versions.release(TORCH) or ())[:2])
+    return EVERY_TORCH or minor not in MATRIX_MINORS or minor in PLUMBING_MINORS
+
+
 def pytest_collection_modifyitems(items: list) -> None:
     first = {name: i for i, name in enumerate(COLLECTED_FIRST)}
     items.sort(key=lambda item: first.get(item.path.name, len(COLLECTED_FIRST)))  # stable: the rest keep their order
+    for item in items:
+        name = item.path.name
+        patch_id = name[len("test_patch_"):-len(".py")].replace("_", "-") if name.startswith("test_patch_") else None
+        if item.get_closest_marker("plumbing") is not None and not plumbing_runs_here():
+            item.add_marker(pytest.mark.skip(reason=(
+                f"process plumbing is tested on torch {', '.join('.'.join(map(str, m)) for m in PLUMBING_MINORS)} "
+                f"of the matrix, not on {TORCH} (conftest.PLUMBING_MINORS)")))
+        if patch_id in PATCH_TORCH and not patch_file_runs_here(patch_id):
+            item.add_marker(pytest.mark.skip(reason=(
+                f"{patch_id} ({PATCH_TORCH[patch_id]}) is tested on the matrix torches inside its range, the nearest "
+                f"outside each end and the newest, not on {TORCH} (conftest.patch_file_runs_here)")))
 
 
 # Where a session's time goes, per test file (setup, call and teardown summed over its tests): printed
@@ -375,15 +463,20 @@ def ranks_result(script: str, *, tmp_path: Path, env: Optional[Dict[str, str]] =
 
 def newest_torch_ranks_result(script: str, *, nproc: int, tmp_path: Path, timeout: float = 240) -> Any:
     """Run ``script`` as ``nproc`` ranks natively on torch 2.15's matrix venv (what the newest torch
-    gives); the document rank 0 printed after ``RESULT``. Skip where that venv does not exist."""
+    gives); the document rank 0 printed after ``RESULT`` (remembered: newest_torch_cached). Skip where
+    that venv does not exist."""
     if not NEWEST_TORCH_PYTHON.exists():
         pytest.skip(f"no torch 2.15 venv at {NEWEST_TORCH_PYTHON}")
     path = tmp_path / "newest_torch_script.py"
     path.write_text(textwrap.dedent(script))
-    ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON),
-                   popen=forkserver.popen)
-    assert all(r.returncode == 0 for r in ranks), [(r.stderr or "")[-2000:] for r in ranks]
-    return rank_result(subprocess.CompletedProcess([str(path)], 0, "".join(r.stdout or "" for r in ranks), ""))
+
+    def compute() -> Any:
+        ranks = launch(str(path), nproc, env=clean_env(), timeout=timeout, python=str(NEWEST_TORCH_PYTHON),
+                       popen=forkserver.popen)
+        assert all(r.returncode == 0 for r in ranks), [(r.stderr or "")[-2000:] for r in ranks]
+        return rank_result(subprocess.CompletedProcess([str(path)], 0, "".join(r.stdout or "" for r in ranks), ""))
+
+    return newest_torch_cached(f"{nproc} ranks\n{textwrap.dedent(script)}", compute)
 
 
 def rank_result(proc: subprocess.CompletedProcess) -> dict:

@@ -6,7 +6,9 @@ import pytest
 
 from conftest import REPO, TORCH, clean_env, run_json, run_py
 
-pytestmark = pytest.mark.fresh_interpreter  # activation at interpreter start, the .pth and sitecustomize paths
+# activation at interpreter start, the .pth and sitecustomize paths; the tests marked plumbing run on the matrix torches
+# of conftest.PLUMBING_MINORS, the two whose outcome depends on which patches apply here on every torch
+pytestmark = pytest.mark.fresh_interpreter
 
 STATE = """
 import copy, json, sys
@@ -19,6 +21,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.plumbing
 @pytest.mark.parametrize("value", [None, "0", "false", "No", "OFF", ""])
 def test_off_means_nothing_at_all(value):
     state = run_json(STATE, env=clean_env(TORCHPATCH=value))
@@ -28,6 +31,7 @@ def test_off_means_nothing_at_all(value):
                      "deepcopy": "copy.function"}
 
 
+@pytest.mark.plumbing
 def test_off_leaves_torch_untouched():
     state = run_json(
         """
@@ -43,6 +47,7 @@ def test_off_leaves_torch_untouched():
     assert not any(state["deepcopy"])
 
 
+@pytest.mark.plumbing
 @pytest.mark.parametrize("value", ["1", "true", "YES", "On"])
 def test_on_spellings_arm_and_torch_activates(value):
     code = """
@@ -63,6 +68,7 @@ def test_on_spellings_arm_and_torch_activates(value):
     assert out["torch"] is False  # activation itself imports nothing of torch
 
 
+@pytest.mark.plumbing
 @pytest.mark.parametrize("log", [None, "off"])
 def test_unknown_value_warns_once_and_stays_off(log):
     proc = run_py(STATE, env=clean_env(TORCHPATCH="maybe", TORCHPATCH_LOG=log))
@@ -76,6 +82,7 @@ def test_unknown_value_warns_once_and_stays_off(log):
     assert '"modules": ["_torchpatch_startup"], "finders": []' in proc.stdout  # not the package
 
 
+@pytest.mark.plumbing
 def test_process_that_never_imports_torch_loads_nothing_of_torchpatch():
     code = "import json, sys; print(json.dumps(sorted(m for m in sys.modules if 'torchpatch' in m)))"
     assert run_json(code, env=clean_env(TORCHPATCH="1")) == ["_torchpatch_startup"]
@@ -84,6 +91,7 @@ def test_process_that_never_imports_torch_loads_nothing_of_torchpatch():
     assert installed and armed > 0
 
 
+@pytest.mark.plumbing
 def test_explicit_install_ignores_the_variable_but_not_the_opt_outs():
     code = """
         import json, torchpatch
@@ -104,6 +112,7 @@ def test_explicit_install_ignores_the_variable_but_not_the_opt_outs():
     assert off == {"installed": True, "six": not served}
 
 
+@pytest.mark.plumbing
 def test_pth_sitecustomize_and_install_activate_once(tmp_path):
     (tmp_path / "sitecustomize.py").write_text((REPO / "src" / "torchpatch" / "_bootstrap" / "sitecustomize.py").read_text())
     state = run_json(

@@ -1,6 +1,6 @@
 """The suite's fork server (tests/forkserver.py): a process forked from it sees what a fresh
-interpreter sees, on every torch of the matrix, with and without torchpatch; and it forks only code
-whose first statements import torch."""
+interpreter sees, with and without torchpatch (on the matrix torches of conftest.PLUMBING_MINORS: how a
+torch starts, not which patches apply); and it forks only code whose first statements import torch."""
 
 import json
 import os
@@ -12,6 +12,8 @@ import pytest
 
 import forkserver
 from conftest import clean_env
+
+pytestmark = pytest.mark.plumbing
 
 # What a process can tell of its own start: torch's and torchpatch's modules, patches, arguments, path,
 # environment, what it printed while importing torch.

@@ -11,7 +11,9 @@ full batch in the same run. Unannotated plain parameters and a parameter annotat
 axis raise torch 2.15's ``ValueError``s. Torch 2.14+ does this natively where spmd_types is installed
 (the newest torch validates the expectation; 2.12-2.13 with fsdp2-spmd-types); 2.9-2.11 natively have
 no ``dp_mesh_dims`` (``TypeError``). On 4 ranks, FSDP+TP and HSDP+TP over the full mesh (below,
-``TP_RANKS``), through the patch's range and natively after it (2.13: with fsdp2-spmd-types).
+``TP_RANKS``), through the patch's range and natively after it (2.13: with fsdp2-spmd-types), one run
+with its start values loaded from replicated DTensors (``load_state_dict``'s ``param.copy_``: wrong rows
+on 2.9 without dtensor-strided-shard-pointwise, which is why the patch refuses FSDP+TP without it).
 """
 
 import importlib.util
@@ -20,7 +22,7 @@ import pytest
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
-    only_torch, through_patch_range, where_patch_applies
+    through_patch_range, where_patch_applies
 )
 from test_patch_fsdp2_spmd_types import RANKS_BODY as SPMD_TYPES_RANKS
 
@@ -102,12 +104,15 @@ def test_tp_dim_before_the_data_parallel_dims_raises(tmp_path):
 # there), a column-parallel Linear(4, 10) (weight and bias S(0) on tp: TP shards of 5 rows, FSDP
 # shards of 3 and 2 rows of them, _StridedShard on dp), tanh, a row-parallel Linear(10, 3) without
 # bias (S(1) on tp), then a sum over tp whose backward is identity. Every rank's gradient and updated
-# parameter shard (3 SGD steps) equals its part of one process's on the full batch, float64.
+# parameter shard (3 SGD steps) equals its part of one process's on the full batch, float64. ROWS=8
+# (even) with LOAD: the model starts from other values and loads the reference's from replicated
+# DTensors (nn.Module.load_state_dict: param.copy_, as torchtitan 0.3.0 loads its fused wqkv).
 TP_RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
 import spmd_types as spmd
 from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", MESH_SHAPE, mesh_dim_names=MESH_NAMES)
@@ -140,7 +145,7 @@ class Model(nn.Module):
         return SumOverTP.apply(y) if self.tp_sum else y
 
 torch.manual_seed(0)
-g, w1, b1, w2 = (torch.randn(4), torch.randn(10, 4), torch.randn(10), torch.randn(3, 10))
+g, w1, b1, w2 = (torch.randn(4), torch.randn(ROWS, 4), torch.randn(ROWS), torch.randn(3, ROWS))
 g, w1, b1, w2 = (t.double() for t in (g, w1, b1, w2))
 x, y = torch.randn(2, 6, 4, dtype=torch.float64), torch.randn(2, 6, 3, dtype=torch.float64)
 
@@ -153,7 +158,8 @@ for _ in range(3):
     ref_grads.append({k: p.grad.clone() for k, p in ref.named_parameters()})
     ref_opt.step()
 
-local = Model(g, w1.chunk(2)[tp], b1.chunk(2)[tp], w2.chunk(2, dim=1)[tp], True)
+start = (g, w1, b1, w2) if not LOAD else tuple(t * 0.5 + 1 for t in (g, w1, b1, w2))  # LOAD: other values
+local = Model(start[0], start[1].chunk(2)[tp], start[2].chunk(2)[tp], start[3].chunk(2, dim=1)[tp], True)
 types = {"g": spmd.R, "up.weight": spmd.S(0), "up.bias": spmd.S(0), "down.weight": spmd.S(1)}
 with spmd.set_current_mesh(mesh):
     for k, p in local.named_parameters():
@@ -170,6 +176,11 @@ def shard(k, full):
 dims = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate" if len(dp_names) > 1 else None)
 fully_shard(local.up, mesh=mesh, dp_mesh_dims=dims)
 fully_shard(local, mesh=mesh, dp_mesh_dims=dims)
+if LOAD:  # the reference's values copied in from replicated DTensors (load_state_dict's param.copy_), as
+    # torchtitan 0.3.0 loads its fused wqkv from a checkpoint
+    full = {"g": g, "up.weight": w1, "up.bias": b1, "down.weight": w2}
+    local.load_state_dict({k: DTensor.from_local(full[k], p.device_mesh, [Replicate()] * p.device_mesh.ndim,
+                                                 run_check=False) for k, p in local.named_parameters()})
 opt = torch.optim.SGD(local.parameters(), lr=0.5)
 out = {"grad_diff": 0.0}
 for step in range(3):
@@ -189,27 +200,31 @@ out["mesh"] = sorted({tuple(p.device_mesh.mesh_dim_names) for p in local.paramet
 """
 
 
-@where_patch_applies("fsdp2-dp-mesh-dims", "FSDP+TP over a full SPMD mesh: refused")
+@where_patch_applies("fsdp2-dp-mesh-dims", "FSDP+TP over a full SPMD mesh: refused without the pointwise fix")
 @pytest.mark.parametrize("shape, names, replicate", [
     ((2, 2), ("dp_shard", "tp"), None), ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), "dp_replicate")],
     ids=["fsdp-tp", "hsdp-tp"])
-def test_fsdp_tp_over_full_mesh_is_refused(tmp_path, shape, names, replicate):
-    """Data-parallel dims of several ranks beside a TP dim of several: refused, naming the case
-    (torchtitan 0.3.0's fsdp+tp+sac trained wrong with it served), before any parameter is touched."""
-    for out in one_call(tmp_path, repr(shape), names, replicate, nproc=4, TORCHPATCH="1"):
+def test_fsdp_tp_over_full_mesh_is_refused_without_the_pointwise_fix(tmp_path, shape, names, replicate):
+    """Data-parallel dims of several ranks beside a TP dim of several, with dtensor-strided-shard-pointwise
+    switched off: refused, naming the case, before any parameter is touched (torchtitan 0.3.0's
+    fsdp+tp+sac loaded wrong weights that way)."""
+    env = {"TORCHPATCH": "1", "TORCHPATCH_DTENSOR_STRIDED_SHARD_POINTWISE": "0"}
+    for out in one_call(tmp_path, repr(shape), names, replicate, nproc=4, **env):
         assert out.startswith("NotImplementedError: fully_shard(dp_mesh_dims=...) with data-parallel dims of 2 "
-                              "ranks beside ['tp'] of several ranks (FSDP+TP, HSDP+TP"), out
+                              "ranks beside ['tp'] of several ranks (FSDP+TP, HSDP+TP) while "
+                              "dtensor-strided-shard-pointwise is off"), out
 
 
 @needs_spmd_types
-@only_torch(">=2.12", "torch's own FSDP+TP over a full SPMD mesh (2.12 added it; spmd_types needs 2.5+'s custom_op)")
-@pytest.mark.parametrize("shape, names", [
-    ((2, 2), ("dp_shard", "tp")),  # FSDP+TP
-    ((2, 1, 2), ("dp_replicate", "dp_shard", "tp")),  # HSDP+TP (the shard dim of one rank: 4 ranks)
-], ids=["fsdp-tp", "hsdp-tp"])
-def test_fsdp_tp_over_full_mesh_trains_to_the_reference(tmp_path, shape, names):
+@through_patch_range("fsdp2-dp-mesh-dims", "FSDP+TP over a full SPMD mesh")
+@pytest.mark.parametrize("shape, names, rows, load", [
+    ((2, 2), ("dp_shard", "tp"), 10, False),  # FSDP+TP, uneven FSDP shards of the TP shards
+    ((2, 2), ("dp_shard", "tp"), 8, True),  # FSDP+TP, the start values loaded from replicated DTensors
+    ((2, 1, 2), ("dp_replicate", "dp_shard", "tp"), 10, False),  # HSDP+TP (the shard dim of one rank: 4 ranks)
+], ids=["fsdp-tp", "fsdp-tp-load", "hsdp-tp"])
+def test_fsdp_tp_over_full_mesh_trains_to_the_reference(tmp_path, shape, names, rows, load):
     script = TP_RANKS.replace("MESH_SHAPE", repr(shape)).replace("MESH_NAMES", repr(names))
-    script += gathered_tail("fsdp2-dp-mesh-dims")
+    script = script.replace("ROWS", str(rows)).replace("LOAD", repr(load)) + gathered_tail("fsdp2-dp-mesh-dims")
     replicate = ["Replicate"] if len(names) > 2 else []
     for out in ranks_result(script, nproc=4, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=240):
         assert out.pop("status") == ("applied" if patch_applies_here("fsdp2-dp-mesh-dims") else None)

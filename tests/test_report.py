@@ -11,7 +11,8 @@ import pytest
 
 from conftest import ARM, TORCH, clean_env, plugin_env, run_json, run_py, run_ranks
 
-pytestmark = pytest.mark.fresh_interpreter  # each process's report, from activation to its last write at exit
+# each process's report, from activation to its last write at exit; process plumbing (conftest.PLUMBING_MINORS)
+pytestmark = [pytest.mark.fresh_interpreter, pytest.mark.plumbing]
 # Where what is tested is the report's file (its directory, mode, command line), the process activates
 # torchpatch by looking torch up (ARM) instead of importing it: the same activation, without torch's import.
 from torchpatch import _report

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import RESULT, clean_env, free_port
 
-pytestmark = pytest.mark.fresh_interpreter  # real torchrun jobs
+pytestmark = [pytest.mark.fresh_interpreter, pytest.mark.plumbing]  # real torchrun jobs (conftest.PLUMBING_MINORS)
 
 WORKER = """
 import copy, json, os, torch, torch.distributed as dist, torchpatch

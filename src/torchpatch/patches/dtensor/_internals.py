@@ -139,3 +139,38 @@ def passing_dispatch(exc_type: type, op: Any) -> type:
         _passing[exc_type] = type(exc_type.__name__, bases, {"__module__": exc_type.__module__,
                                                              "__doc__": exc_type.__doc__})
     return _passing[exc_type]
+
+
+# dtensor-strided-shard-pointwise's mark on the pointwise module once applied
+STRIDED_POINTWISE_DONE = "_torchpatch_strided_shard_pointwise"
+
+
+def strided_shard_type() -> Optional[type]:
+    """This torch's ``_StridedShard`` (torch 2.5+), else None."""
+    from torch.distributed.tensor import placement_types
+
+    return getattr(placement_types, "_StridedShard", None)
+
+
+def maps_strided_shard(utils: Any, strided: type) -> bool:
+    """Whether this torch's ``map_placements_after_broadcast`` (``utils``: DTensor's ``_ops.utils``) keeps a
+    ``_StridedShard`` (the upstream fix) rather than making it ``Shard``."""
+    import torch
+
+    mapped = utils.map_placements_after_broadcast((strided(0, split_factor=2),), torch.Size([4]), [0])
+    return isinstance(mapped[0], strided)
+
+
+def pointwise_keeps_strided_shard() -> bool:
+    """Whether DTensor's pointwise ops keep a ``_StridedShard`` operand's placement here
+    (dtensor-strided-shard-pointwise applied, or a torch that does it itself)."""
+    import importlib
+
+    pointwise = importlib.import_module("torch.distributed.tensor._ops._pointwise_ops")
+    strided = strided_shard_type()
+    if strided is None or getattr(pointwise, STRIDED_POINTWISE_DONE, False):
+        return True
+    if not hasattr(pointwise, "common_pointwise_strategy"):
+        return True  # 2.12's single-dim rules
+    return maps_strided_shard(importlib.import_module("torch.distributed.tensor._ops.utils"), strided)
+

@@ -26,10 +26,14 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                1-D TP/EP or 2-D EP+TP), DTensor parameters on the full mesh (torchtitan's
                ``full_dtensor`` backend: measured with 2.13's losses and placements but not its
                gradients, so refused), and data-parallel dims of several ranks beside a TP dim of
-               several ranks (FSDP+TP, HSDP+TP: this patch's own 4-rank step of it equals one process,
-               but torchtitan 0.3.0's fsdp+tp+sac on 2.9.0 trained 6.5e-3 off one process from step 1,
-               its weights already different after the seed checkpoint's load; refused until traced);
-               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``.
+               several ranks (FSDP+TP, HSDP+TP) where dtensor-strided-shard-pointwise is off (this
+               torch's ``copy_`` into a ``_StridedShard`` parameter from a replicated value, as
+               torchtitan 0.3.0 loads its fused wqkv, puts other ranks' rows there: its fsdp+tp+sac
+               on 2.9.0 started from other weights and trained 6.5e-3 off one process in 8 steps,
+               1.9e-3 in 3; with that patch its start weights equal 2.15.0's, 1.1e-7 in 3 steps);
+               ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``; the
+               ``full_tensor()`` of a parameter whose dim does not divide by dp x tp is
+               dtensor-strided-shard-uneven's ``NotImplementedError`` (this torch gathers it out of order).
                Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
@@ -98,6 +102,8 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
     parameters become DTensors on the other dims' sub-mesh first (this torch's FSDP+TP input)."""
     from torch.distributed.tensor import DTensor
 
+    from ..dtensor._internals import pointwise_keeps_strided_shard
+
     names = mesh.mesh_dim_names if mesh is not None else None
     if not names:
         raise ValueError("fully_shard(dp_mesh_dims=...) needs a mesh with mesh_dim_names (the full SPMD mesh)")
@@ -122,14 +128,14 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
         for _, name, param in params:
             _storage(name, param, mesh, dp_mesh_dims)  # 2.15's errors for plain parameters
         return dp_mesh
-    if several and dp_mesh.size() > 1:
-        # measured: torchtitan 0.3.0's fsdp+tp+sac (dp_shard 2 x tp 2) on 2.9.0 trained 6.5e-3 off one
-        # process from step 1 (its start weights differ after the seed checkpoint's load), while this
-        # patch's own dp x tp step was equal: a wrong result is refused until its cause is found
+    if several and dp_mesh.size() > 1 and not pointwise_keeps_strided_shard():
+        # measured: torchtitan 0.3.0's fsdp+tp+sac (dp_shard 2 x tp 2) on 2.9.0 loaded its fused wqkv
+        # from the seed checkpoint with param.copy_(replicated), which this torch's pointwise strategy
+        # places as Shard (other ranks' rows), and trained 6.5e-3 off one process
         raise _unserved(f"with data-parallel dims of {dp_mesh.size()} ranks beside {several} of several ranks "
-                        "(FSDP+TP, HSDP+TP: a torchtitan 0.3.0 run of it differed from one process, cause not "
-                        "found, so it is refused rather than served wrong; tensor parallelism with one "
-                        "data-parallel rank is served)")
+                        "(FSDP+TP, HSDP+TP) while dtensor-strided-shard-pointwise is off: this torch's DTensor "
+                        "pointwise ops (copy_ in load_state_dict) treat the parameters' _StridedShard as Shard "
+                        "and would put other ranks' rows in them")
     _to_tp_params(params, mesh, dp_mesh_dims, others, several)
     return dp_mesh
 

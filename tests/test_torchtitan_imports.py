@@ -1,0 +1,73 @@
+"""torchpatch breaks no module of torchtitan's releases: each module outside ``experiments`` that imports
+natively imports with TORCHPATCH=1 too (the import survey: every module twice, in forked interpreters), what
+still fails is torch's (a feature the catalogue cannot serve) or a CUDA-only package's, and every module
+of 0.1.0 imports on torch 2.4+.
+
+The releases are the ones tests/test_torchtitan.py trains (``TORCHTITAN_TEST_RELEASES``); without them
+every test here skips. A file of its own so that pytest-xdist runs the survey (one process at a time) beside
+the training runs (which fill the cores), not after them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+import survey
+from conftest import TORCH, torch_matches
+from test_torchtitan import RELEASES
+
+pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHTITAN_TEST_RELEASES)")
+
+# (release, torch specifier): every module outside ``experiments`` imports with TORCHPATCH=1.
+IMPORTS_ALL = [("0.1.0", ">=2.4")]
+# Third-party packages a release imports that its wheel does not require (CUDA-only or optional; 'fla':
+# flash-linear-attention, the Triton kernels of 0.3.0's Qwen3.5).
+NOT_TORCH = ("triton", "torchvision", "transformers", "DeepEP", "deep_ep", "torch_checkpointing.", "'fla'")
+
+# Where the import survey does not run: the 2.9.0 session installs all three releases to train them; 0.1.0's
+# imports are surveyed on 2.4 and 2.15 (25-35 s a torch), 0.2.2's and 0.3.0's on 2.13 (the torchtitan-on-2.13
+# session; 270 modules, each imported twice: 75 s to 2.5 min), and on 2.9 where TORCHTITAN_TEST_SURVEY=1.
+NOT_SURVEYED = ("==2.9.*",)
+
+
+@pytest.fixture(scope="module")
+def result() -> survey.Survey:
+    if any(torch_matches(spec) for spec in NOT_SURVEYED) and os.environ.get("TORCHTITAN_TEST_SURVEY") != "1":
+        pytest.skip(f"the import survey runs on torch 2.4, 2.13 and 2.15 (elsewhere with TORCHTITAN_TEST_SURVEY=1), not on {TORCH}")
+    names = [survey.installed(path, "torchtitan", exclude=("experiments",)) for path in RELEASES.values()]
+    outcome = survey.run_survey(sys.executable, names)
+    print("\n" + survey.format_table(outcome))
+    return outcome
+
+
+def _release(package: str) -> str:
+    return next(v for v, path in RELEASES.items() if package == f"torchtitan@{Path(path).name}")
+
+
+def test_nothing_that_imports_natively_breaks(result):
+    for name, pkg in result.packages.items():
+        broken = {m: r.error for m, r in pkg.results["on"].items() if pkg.results["off"][m].ok and not r.ok}
+        assert not broken, f"{name}: import natively, fail with TORCHPATCH=1: {broken}"
+        failed = {m: [p for p, s in r.patches.items() if s == "failed"] for m, r in pkg.results["on"].items()}
+        assert not any(failed.values()), f"{name}: patches failed while applying: {failed}"
+
+
+def test_failures_with_torchpatch_are_torchs(result):
+    """What still fails with TORCHPATCH=1 is a torch feature the catalogue cannot serve (or a CUDA-only
+    third-party package), never something torchpatch broke or half-served."""
+    for name, pkg in result.packages.items():
+        for module, r in pkg.failures("on").items():
+            assert "torch" in r.error or any(t in r.error for t in NOT_TORCH), (name, module, r.error)
+
+
+@pytest.mark.parametrize("release, spec", IMPORTS_ALL)
+def test_every_module_imports(result, release, spec):
+    if release not in RELEASES or not torch_matches(spec):
+        pytest.skip(f"torchtitan {release} on torch {spec} only")
+    pkg = next(p for n, p in result.packages.items() if _release(n) == release)
+    ok, total = pkg.rate("on")
+    assert ok == total, {m: r.error for m, r in pkg.failures("on").items()}
