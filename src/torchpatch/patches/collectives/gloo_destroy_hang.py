@@ -1,4 +1,4 @@
-"""gloo-destroy-hang: ``destroy_process_group()`` of a gloo group can hang forever, torch 2.0 to 2.7.
+"""gloo-destroy-hang: ``destroy_process_group()`` of a gloo group can hang forever, torch 2.0-2.7.
 
 What breaks:   a gloo job prints its result, calls ``destroy_process_group()`` and one rank never
                exits (no error, no timeout: torchrun waits for it forever). A race: 7 of 20 runs of
