@@ -64,7 +64,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 TARGETS = {"add": 1.03, "sum": 1.03, "mul_number": 1.03, "redistribute": 1.03, "matmul": 1.03,
            "tp_step": 1.02, "fsdp2_step": 1.02, "hsdp_tp_step": 1.02}
@@ -283,6 +283,15 @@ def _hsdp_tp_step(mesh: Any) -> Any:
     return _train_step(model, torch.randn(8, 64))
 
 
+def _profiled(step: Any, count: Callable[[Any, str], None]) -> None:
+    """One call of ``step`` with ``count(frame, event)`` called for each event the profiler sees."""
+    sys.setprofile(lambda frame, event, arg: count(frame, event))
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+
+
 def _calls_in(step: Any) -> Dict[str, int]:
     """Python calls into torchpatch's code during one call of ``step``, by function."""
     import torchpatch
@@ -290,36 +299,27 @@ def _calls_in(step: Any) -> Dict[str, int]:
     root = str(Path(torchpatch.__file__).resolve().parent)
     counts: Dict[str, int] = {}
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
+    def count(frame: Any, event: str) -> None:
         code = frame.f_code
         if event == "call" and code.co_filename.startswith(root):
             key = f"{code.co_filename[len(root) + 1:]}:{code.co_name}"
             counts[key] = counts.get(key, 0) + 1
 
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
+    _profiled(step, count)
     return counts
 
 
 def _python_calls(step: Any) -> int:
     """Every call during one call of ``step`` that the profiler sees, any code's: Python functions and
     the builtins they call (what a patch adds to torch's own Python work, deterministically)."""
-    count = 0
+    calls = [0]
 
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal count
+    def count(frame: Any, event: str) -> None:
         if event in ("call", "c_call"):
-            count += 1
+            calls[0] += 1
 
-    sys.setprofile(profile)
-    try:
-        step()
-    finally:
-        sys.setprofile(None)
-    return count
+    _profiled(step, count)
+    return calls[0]
 
 
 # -- the parent: alternated jobs -------------------------------------------------------------------

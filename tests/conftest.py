@@ -299,9 +299,12 @@ def _process_kind(request: pytest.FixtureRequest):
     forkserver.allowed = True
 
 
-# The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH).
-MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(
-    r'^(?:\s*|DEFAULT_TORCH = )"(\d+\.\d+\.\d+)"', (REPO / "noxfile.py").read_text(), re.M)})
+# The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH), and the installed one.
+_NOXFILE = (REPO / "noxfile.py").read_text()
+DEFAULT_MINOR = _versions.release(re.search(r'^DEFAULT_TORCH = "([\d.]+)"', _NOXFILE, re.M).group(1))[:2]
+MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(r'^\s*"(\d+\.\d+\.\d+)"', _NOXFILE, re.M)}
+                       | {DEFAULT_MINOR})
+TORCH_MINOR = tuple((_versions.release(TORCH) or ())[:2])
 # Set to 1 to run every patch's test file and every ``plumbing`` test on any torch (patch_file_runs_here).
 EVERY_TORCH = os.environ.get("PATCH_TESTS_ON_EVERY_TORCH") == "1"
 
@@ -312,27 +315,24 @@ def patch_file_runs_here(patch_id: str) -> bool:
     them outside each end of its range (where it must stay inactive, and torch's own behaviour takes
     over), and on the newest (the oracle: inactive, and the served behaviour is torch's); on a matrix torch
     farther from the range the file would only check inactivity again. Any other torch runs every file."""
-    minor = tuple((_versions.release(TORCH) or ())[:2])
-    if EVERY_TORCH or minor not in MATRIX_MINORS:
+    if EVERY_TORCH or TORCH_MINOR not in MATRIX_MINORS:
         return True
     first, end = _versions.minor_range(PATCH_TORCH[patch_id])
     below = [m for m in MATRIX_MINORS if m < first]
     above = [m for m in MATRIX_MINORS if end is not None and m >= end]
-    return (patch_applies_here(patch_id) or minor == MATRIX_MINORS[-1]
-            or minor in (below[-1:] + above[:1]))
+    return (patch_applies_here(patch_id) or TORCH_MINOR == MATRIX_MINORS[-1]
+            or TORCH_MINOR in (below[-1:] + above[:1]))
 
 
 # The matrix torches that run the tests marked ``plumbing`` (the engine's process plumbing with a real torch:
 # start-up activation, per-process reports, torchrun's workers, the suite's fork server), whose outcome
 # depends on how a torch starts and launches rather than on which patches apply: the oldest, the first of
 # the 2.4+ range that matters most, the default and the newest. The torches between them run the same code.
-PLUMBING_MINORS = (MATRIX_MINORS[0], (2, 4), _versions.release(re.search(
-    r'^DEFAULT_TORCH = "([\d.]+)"', (REPO / "noxfile.py").read_text(), re.M).group(1))[:2], MATRIX_MINORS[-1])
+PLUMBING_MINORS = (MATRIX_MINORS[0], (2, 4), DEFAULT_MINOR, MATRIX_MINORS[-1])
 
 
 def plumbing_runs_here() -> bool:
-    minor = tuple((_versions.release(TORCH) or ())[:2])
-    return EVERY_TORCH or minor not in MATRIX_MINORS or minor in PLUMBING_MINORS
+    return EVERY_TORCH or TORCH_MINOR not in MATRIX_MINORS or TORCH_MINOR in PLUMBING_MINORS
 
 
 def pytest_collection_modifyitems(items: list) -> None:
