@@ -4,8 +4,8 @@ The hang needs a gloo worker that still holds a finished collective whose input 
 dropped (freeing it then needs the GIL) when the group dies with the GIL held. Both are made certain
 by ordering alone, whatever the machine's load:
 
-- rank 0 posts an async all_gather and deletes its input: the work's reference is then the last, and
-  the tensor's C++ side owns its Python object. Only then does rank 1 join: it waits for a byte that
+- rank 0 posts an async all_gather and drops both the work and its input: gloo's worker holds the last
+  reference to the work, the work the last to the input, whose C++ side then owns its Python object. Only then does rank 1 join: it waits for a byte that
   rank 0 writes into a shared ``mmap`` (a store call would release rank 0's GIL). From that write on
   rank 0 keeps the GIL (pure Python, numpy reads of the result, a long switch interval), so the
   worker, done with the collective, waits for the GIL to free the input.
@@ -14,7 +14,8 @@ by ordering alone, whatever the machine's load:
   timeout); with TORCHPATCH=1 the gloo backend's own holder frees it with the GIL released.
 
 Rank 1 leaves with ``os._exit`` once rank 0 has the result (its own exit is not what is measured).
-The native program hangs in every run (3 of 3 on torch 2.1.2 and 2.4.1); the free-running race it
+The native program hangs in every run (2026-11-29: 3 of 3 on torch 2.1.2, 2 of 2 on 2.4.1; with
+TORCHPATCH=1 each of those exited); the free-running race it
 stands for hung 7 of 20 runs of a plain script (all_reduce, all_gather_object, destroy) on 2.1.2.
 """
 
@@ -43,12 +44,11 @@ print(json.dumps({"status": torchpatch.status().get("gloo-destroy-hang")}), flus
 out = [torch.zeros(4), torch.zeros(4)]
 result = out[1].numpy()  # reading it keeps the GIL, unlike a torch op
 sys.setswitchinterval(30.0)  # a thread waiting for the GIL asks for it only after 30 s
-work = dist.all_gather(out, torch.ones(4), async_op=True)  # the input's last reference: the work's
+dist.all_gather(out, torch.ones(4), async_op=True)  # the work dropped here: gloo's worker holds the last references
 flags[0] = 1  # no GIL release from here on: rank 1 joins
 while result[0] != 2.0:  # the worker wrote rank 1's part; it then frees the work and its input
     pass
 flags[1] = 1
-del work
 dist.destroy_process_group()
 print("destroyed", flush=True)
 """
