@@ -7,6 +7,8 @@ thread. Both are made certain, whatever the machine's load, by ordering alone:
 - rank 0 posts an async all_gather and drops both the work and its input, so gloo's worker holds the
   last reference to the work and the work the last to the input, whose C++ side then owns its Python
   object: freeing it needs the GIL on every torch (from 2.10 on, a tensor alive in Python does too).
+  The input carries an attribute: torch 2.9 keeps the Python object of a tensor with Python state
+  only (a plain temporary never aborted there, 0 of 2 runs).
   Only then does rank 1 join: it waits for a byte that rank 0 writes into a shared ``mmap`` (a store
   call would release rank 0's GIL). From that write on rank 0 keeps the GIL (pure Python, numpy reads
   of the result, a 10 s switch interval) until Python finalises: the worker finishes the collective
@@ -54,7 +56,10 @@ atexit.register(print, "exiting")  # runs first; the line is written out only on
 out = [torch.zeros(4), torch.zeros(4)]
 result = out[1].numpy()  # reading it keeps the GIL, unlike a torch op
 sys.setswitchinterval(10.0)  # a thread waiting for the GIL asks for it only after 10 s
-dist.all_gather(out, torch.ones(4), async_op=True)  # work and input dropped: gloo's worker holds the last references
+inp = torch.ones(4)
+inp.state = "Python state"  # its Python object outlives Python's last reference (torch 2.9 keeps only such)
+dist.all_gather(out, inp, async_op=True)  # the work dropped: gloo's worker holds the last references
+del inp
 flags[0] = 1  # no GIL release from here on: rank 1 joins
 while result[0] != 2.0:  # the worker wrote rank 1's part; it then frees the work and its input
     pass
