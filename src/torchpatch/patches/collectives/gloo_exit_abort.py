@@ -14,19 +14,20 @@ Why:           gloo's worker thread drops its references to a collective's tenso
                collective completes; dropping a tensor's last reference from C++ needs the GIL when
                C++ holds its Python object: since the PyObject preservation rework (torch 2.10) for any
                tensor that has one, before it only for a tensor whose Python object Python dropped
-               first. If the main thread reaches interpreter finalisation first (CPython lets a
-               waiting thread ask for the GIL only after 5 ms), the worker, still waiting in
-               ``take_gil``, is ended by ``pthread_exit`` inside a ``noexcept`` destructor
-               (``std::terminate``) once it gets the GIL, or its wait times out, during
-               finalisation: when finalisation releases the GIL (flushing buffered output, a
-               finalizer that waits, the group freed by a holder that releases it: 1.13, 2.8+) or
-               lasts 5 ms. On 2.0-2.7 the group freed with the GIL held (see gloo-destroy-hang) even
-               waits for that worker (``~ProcessGroupGloo`` takes the lock the worker holds) until
-               its wait times out.
+               first (and torch kept: any tensor on 1.13.1, 2.1.2 and 2.4.1, one with Python state,
+               such as an attribute, on 2.9.0). If the main thread reaches interpreter finalisation
+               first (CPython lets a waiting thread ask for the GIL only after 5 ms), the worker, still
+               waiting in ``take_gil``, is ended by ``pthread_exit`` inside a ``noexcept`` destructor
+               (``std::terminate``) once it gets the GIL, or its wait times out, during finalisation:
+               when finalisation releases the GIL (flushing buffered output, a finalizer that waits,
+               the group freed by a holder that releases it: 1.13, 2.8+) or lasts 5 ms. On 2.0-2.7
+               the group freed with the GIL held (see gloo-destroy-hang) even waits for that worker
+               (``~ProcessGroupGloo`` takes the lock the worker holds) until its wait times out.
 Torch:         1.13 and later: 2.10+ for any collective (2.13.0, 2.14.1 and 2.15.0 measured); 1.13 to
                2.9 for a collective on a tensor Python dropped (1.13.1, 2.1.2, 2.4.1 and 2.9.0
-               measured); the common case (the tensor still alive in Python) never aborted there (0
-               of 20 runs on 2.9.0).
+               measured: the forced order of the test aborts natively, and exits with the patch); the
+               common case (the tensor still alive in Python) never aborted there (0 of 20 runs on
+               2.9.0).
 Fix:           an ``atexit`` callback (atexit runs before finalisation starts) hands the GIL to
                gloo's workers: it sleeps in 10 ms steps, which releases the GIL, until no worker
                thread has woken up during a step (their context-switch counts in
