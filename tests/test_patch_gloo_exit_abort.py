@@ -8,16 +8,18 @@ thread. Both are made certain, whatever the machine's load, by ordering alone:
   last reference to the work and the work the last to the input, whose C++ side then owns its Python
   object: freeing it needs the GIL on every torch (from 2.10 on, a tensor alive in Python does too).
   The input carries an attribute: torch 2.9 keeps the Python object of a tensor with Python state
-  only (a plain temporary never aborted there, 0 of 2 runs).
-  Only then does rank 1 join: it waits for a byte that rank 0 writes into a shared ``mmap`` (a store
-  call would release rank 0's GIL). From that write on rank 0 keeps the GIL (pure Python, numpy reads
-  of the result, a 10 s switch interval) until Python finalises: the worker finishes the collective
-  and waits for the GIL to free the input.
-- rank 0's last ``atexit`` callback prints a line, which stays in stdout's buffer (a file, not a
-  terminal) until finalisation has begun; writing it out releases the GIL, so the waiting worker gets
-  it there and is ended: the abort comes at once, not from the switch interval (on torch 2.0-2.7 the
-  group, freed with the GIL held later in finalisation, would otherwise deadlock with that worker
-  until its wait for the GIL timed out).
+  only (a plain temporary never aborted there, 0 of 2 runs). Only then does rank 1 join: it waits
+  for a byte that rank 0 writes into a shared ``mmap`` (a store call would release rank 0's GIL).
+  From that write on rank 0 keeps the GIL (pure Python, numpy reads of the result, a 10 s switch
+  interval) until Python finalises: the worker finishes the collective and waits for the GIL to
+  free the input.
+- rank 0's first ``atexit`` callback (it runs before torchpatch's) replaces ``sys.stdout`` with a
+  stream whose ``flush`` sleeps 0.5 s, as a flush that writes releases the GIL (only longer); the
+  interpreter flushes it once finalisation has begun, so the waiting worker gets the GIL there and
+  is ended: the abort comes at once, not from the switch interval (on torch 2.0-2.7 the group, freed
+  with the GIL held later in finalisation, would otherwise deadlock with that worker until its wait
+  for the GIL timed out). A plain buffered line written there released the GIL too briefly: the
+  worker got it in about half of the runs.
 
 Rank 1 leaves with ``os._exit`` once rank 0 has the result, so that its own worker cannot abort it
 first. With TORCHPATCH=1 the summary line is turned off (TORCHPATCH_LOG=off): writing it at exit
@@ -36,7 +38,7 @@ from conftest import clean_env, launch, where_patch_applies
 pytestmark = pytest.mark.fresh_interpreter  # gloo's abort at interpreter exit
 
 SCRIPT = """
-import atexit, json, mmap, os, sys, torch, torch.distributed as dist, torchpatch
+import atexit, json, mmap, os, sys, time, torch, torch.distributed as dist, torchpatch
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 with open(os.environ["GLOO_EXIT_FLAGS"], "r+b") as f:
@@ -52,7 +54,20 @@ if rank == 1:
 patch = sys.modules.get("torchpatch.patches.collectives.gloo_exit_abort")
 workers = None if patch is None else len(patch.worker_status_files())
 print(json.dumps({"status": torchpatch.status().get("gloo-exit-abort"), "workers": workers}), flush=True)
-atexit.register(print, "exiting")  # runs first; the line is written out only once finalisation has begun
+class SlowToFlush:  # sys.stdout from the first exit callback on: finalisation flushes it once it has begun
+    closed = False
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        return self.stream.write(text)
+
+    def flush(self, sleep=time.sleep):
+        sleep(0.5)  # releases the GIL, as a flush that writes does, long enough for a waiting thread to take it
+        self.stream.flush()
+
+atexit.register(lambda: setattr(sys, "stdout", SlowToFlush(sys.stdout)))
 out = [torch.zeros(4), torch.zeros(4)]
 result = out[1].numpy()  # reading it keeps the GIL, unlike a torch op
 sys.setswitchinterval(10.0)  # a thread waiting for the GIL asks for it only after 10 s
@@ -100,14 +115,14 @@ def assert_aborts(tmp_path, **env):
 @where_patch_applies("gloo-exit-abort")
 def test_native_abort_at_exit(tmp_path):
     proc = assert_aborts(tmp_path)
-    assert '{"status": null, "workers": null}\nexiting' in proc.stdout  # the script ran to its end
+    assert '{"status": null, "workers": null}' in proc.stdout  # the script ran to its end
 
 
 @where_patch_applies("gloo-exit-abort")
 def test_exit_waits_for_the_workers(tmp_path):
     proc = rank0(tmp_path, TORCHPATCH="1", TORCHPATCH_LOG="off")
     assert proc.returncode == 0 and ABORT not in proc.stderr, (proc.timed_out, proc.stderr[-3000:])
-    assert '{"status": "applied", "workers": 2}\nexiting' in proc.stdout  # one gloo group: two workers
+    assert '{"status": "applied", "workers": 2}' in proc.stdout  # one gloo group: two workers
 
 
 @where_patch_applies("gloo-exit-abort")
