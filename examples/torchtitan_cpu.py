@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import hashlib
 import importlib
 import importlib.util
@@ -42,7 +41,7 @@ import sys
 import tempfile
 import types
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import torch  # noqa: F401  (first of the non-standard modules: the tests fork ranks that have imported it)
 
@@ -196,37 +195,17 @@ def flex_attention_on_cpu(q, k, v, *, score_mod, block_mask, scale, enable_gqa, 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa), None
 
 
-@contextlib.contextmanager
-def torch_answers_cpu() -> Iterator[None]:
-    """torchtitan asks torch for the available accelerator once, at import time (and takes "cuda" when
-    there is none): while this lasts torch answers "cpu" with ``CPUDeviceModule``."""
+def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
+    """Parse the trainer's flags with the installed torchtitan, imported so that it picks the CPU:
+    torchtitan asks torch for the available accelerator once, at import time (and takes "cuda" when
+    there is none); during that import (0.3 imports its model and trainer while it parses) torch
+    answers "cpu" with ``CPUDeviceModule``. Returns what builds the trainer."""
     import torch._utils
 
     saved = torch._utils._get_available_device_type, torch._utils._get_device_module
     torch._utils._get_available_device_type = lambda: "cpu"
     torch._utils._get_device_module = lambda device_type=None: CPUDeviceModule
     try:
-        yield
-    finally:
-        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
-
-
-def preload() -> None:
-    """Import what :func:`configure_on_cpu` imports, as it does (the tests' fork server runs this once
-    and forks every rank from it: tests/test_torchtitan.py)."""
-    with torch_answers_cpu():
-        if API.registry:
-            importlib.import_module(API.registry)
-        importlib.import_module(API.config_module)
-        if not API.config_builds:
-            importlib.import_module("torchtitan.train")
-
-
-def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
-    """Parse the trainer's flags with the installed torchtitan, imported so that it picks the CPU
-    (:func:`torch_answers_cpu`; 0.3 imports its model and trainer while it parses). Returns what builds
-    the trainer."""
-    with torch_answers_cpu():
         if API.registry:
             importlib.import_module(API.registry)
         config = importlib.import_module(API.config_module).ConfigManager().parse_args(flags)
@@ -237,6 +216,8 @@ def configure_on_cpu(flags: List[str]) -> Callable[[], Any]:
         if API.config_builds:
             return config.build
         from torchtitan.train import Trainer
+    finally:
+        torch._utils._get_available_device_type, torch._utils._get_device_module = saved
     return lambda: Trainer(config)
 
 

@@ -136,8 +136,8 @@ class ForkedProcess:
 class ForkServer:
     """One warm interpreter of ``python`` in ``env``, in a private directory of its own."""
 
-    def __init__(self, python: str, env: Mapping[str, str], preload: str = "") -> None:
-        self.python, self.env, self.preload = python, dict(env), preload
+    def __init__(self, python: str, env: Mapping[str, str]) -> None:
+        self.python, self.env = python, dict(env)
         self.directory = tempfile.mkdtemp(prefix="torchpatch-forkserver-")  # 0700, a fresh name
         self.socket = os.path.join(self.directory, "socket")
         self.prelude: Tuple[bytes, bytes] = (b"", b"")  # what start-up and `import torch` printed
@@ -151,7 +151,7 @@ class ForkServer:
         life_r, self._lifeline = os.pipe()
         with tempfile.TemporaryFile(dir=self.directory) as out, tempfile.TemporaryFile(dir=self.directory) as err:
             self._proc = subprocess.Popen(
-                [self.python, "-c", BOOT, self.socket, str(ready_w), str(life_r), self.preload], env=self.env,
+                [self.python, "-c", BOOT, self.socket, str(ready_w), str(life_r)], env=self.env,
                 cwd=self.directory, stdin=subprocess.DEVNULL, stdout=out, stderr=err, pass_fds=(ready_w, life_r))
             os.close(ready_w)
             os.close(life_r)
@@ -194,20 +194,19 @@ class ForkServer:
 
 
 class ForkPool:
-    """The fork servers of this test process, by (python, environment less ``PER_PROCESS``, preload);
-    the least recently used beyond ``SERVERS_KEPT`` are closed."""
+    """The fork servers of this test process, by (python, environment less ``PER_PROCESS``); the
+    least recently used beyond ``SERVERS_KEPT`` are closed."""
 
     def __init__(self) -> None:
-        self._servers: "collections.OrderedDict[Tuple[str, frozenset, str], ForkServer]" = collections.OrderedDict()
+        self._servers: "collections.OrderedDict[Tuple[str, frozenset], ForkServer]" = collections.OrderedDict()
         atexit.register(self.close)
 
-    def server(self, python: str, env: Mapping[str, str], preload: str = "") -> ForkServer:
-        key = (python, frozenset((k, v) for k, v in env.items() if k not in PER_PROCESS and not k.startswith(PER_PROCESS_PREFIX)),
-               preload)
+    def server(self, python: str, env: Mapping[str, str]) -> ForkServer:
+        key = (python, frozenset((k, v) for k, v in env.items() if k not in PER_PROCESS and not k.startswith(PER_PROCESS_PREFIX)))
         if key in self._servers:
             self._servers.move_to_end(key)
         else:
-            self._servers[key] = ForkServer(python, dict(key[1]), preload)
+            self._servers[key] = ForkServer(python, dict(key[1]))
             while len(self._servers) > SERVERS_KEPT:
                 self._servers.popitem(last=False)[1].close()
         return self._servers[key]
@@ -226,13 +225,10 @@ def forkable(source: str, env: Mapping[str, str]) -> bool:
 
 
 def popen(cmd: Sequence[str], *, env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
-          stdin: Any = None, stdout: Any = None, stderr: Any = None, preload: str = "") -> Any:
+          stdin: Any = None, stdout: Any = None, stderr: Any = None) -> Any:
     """``subprocess.Popen(cmd, ...)``, forked from a warm interpreter where that is the same thing:
     ``cmd`` is ``[python, "-c", code, *args]`` or ``[python, script, *args]``, ``stdin`` is DEVNULL and
-    ``stdout``/``stderr`` are files (examples/launch.py passes these); otherwise a fresh process.
-    ``preload``: code the server runs after ``import torch`` (a server of its own), importing modules
-    that ``cmd`` imports next in the same way (the caller's claim: tests/test_torchtitan.py's ``forked``
-    checks it by the results)."""
+    ``stdout``/``stderr`` are files (examples/launch.py passes these); otherwise a fresh process."""
     cmd = [str(part) for part in cmd]
     env = dict(os.environ if env is None else env)
     fresh = lambda: subprocess.Popen(cmd, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)  # noqa: E731
@@ -250,18 +246,18 @@ def popen(cmd: Sequence[str], *, env: Optional[Mapping[str, str]] = None, cwd: O
         path0, argv = os.path.dirname(os.path.realpath(file)), cmd[1:]
     if not forkable(source, env):
         return fresh()
-    server = POOL.server(cmd[0], env, preload)
+    server = POOL.server(cmd[0], env)
     if not server.usable:
         return fresh()
     return server.popen(cmd, argv, source, file, path0, env, os.path.abspath(cwd or os.getcwd()), stdout, stderr)
 
 
 def run(cmd: Sequence[str], *, env: Optional[Mapping[str, str]] = None, timeout: Optional[float] = None,
-        cwd: Optional[str] = None, preload: str = "") -> subprocess.CompletedProcess:
+        cwd: Optional[str] = None) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=cwd)``
-    (stdin from /dev/null), forked where :func:`popen` forks (``preload``: see there)."""
+    (stdin from /dev/null), forked where :func:`popen` forks."""
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, preload=preload)
+        proc = popen(cmd, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:

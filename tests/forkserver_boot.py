@@ -9,8 +9,7 @@ and runs the code as ``__main__``; it ends as the interpreter's exit does (Syste
 threads, atexit handlers) but leaves without tearing modules down (``_exit``). Only modules that
 ``import torch`` and ``import torch._dynamo`` load anyway are imported before it.
 
-argv: the socket path, the ready pipe's write end, the lifeline pipe's read end (EOF: exit), and code
-to run after those imports ("" for none: tests/forkserver.py's ``preload``).
+argv: the socket path, the ready pipe's write end, the lifeline pipe's read end (EOF: exit).
 """
 
 import os
@@ -23,9 +22,6 @@ try:  # half of the CPU time of a DTensor, FSDP2, DCP or pipelining import, whic
 except ModuleNotFoundError as exc:  # torch 1.13 has none
     if exc.name != "torch._dynamo":
         raise
-
-if sys.argv[4]:  # modules every child of this server imports next (tests/forkserver.py's ``preload``)
-    exec(compile(sys.argv[4], "<preload>", "exec"), {"__name__": "__preload__", "__builtins__": __builtins__})
 
 import json
 import select

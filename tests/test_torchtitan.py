@@ -34,27 +34,18 @@ sys.path.insert(0, str(REPO / "tools"))
 import torchtitan_table as table  # noqa: E402
 
 
-# What the fork server of the example's ranks imports besides torch: the release's (PYTHONPATH's) trainer,
-# as the example imports it (examples/torchtitan_cpu.py's preload), about 3 s of CPU a rank.
-PRELOAD = f"""
-import importlib.util
-spec = importlib.util.spec_from_file_location("torchtitan_cpu", {str(table.EXAMPLE)!r})
-example = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(example)
-example.preload()
-"""
-
-
 def forked(cmd: List[str], env: Dict[str, str], ranks: int, timeout: float, cwd: str) -> subprocess.CompletedProcess:
     """The example's ranks forked from a warm interpreter (tests/forkserver.py) instead of torchrun's fresh
     ones (``table.Launch``): the same environment and torchrun's variables (examples/launch.py), the ranks'
-    output joined; one process forked as ``python example args``; the server has imported the release's
-    trainer too (``PRELOAD``). A run computes bitwise what it computes under torchrun (losses, gradient
-    norms, weights digest: NOTES); it saves the ~8 s of CPU each rank spends importing torch and torchtitan."""
+    output joined; one process forked as ``python example args``. A run computes bitwise what it computes
+    under torchrun (losses, gradient norms, weights digest; 0.1.0's fsdp and fsdp+tp+sac on 2.9.0 checked);
+    it saves the ~5 s of CPU each rank spends importing torch and torch._dynamo. The release's torchtitan is
+    not imported before the fork: it imports pyarrow (through datasets), which starts threads at import,
+    and a process forked from one running threads is not a fresh one (the server refuses it)."""
     if ranks == 1:
-        return forkserver.run(cmd, env=env, timeout=timeout, cwd=cwd, preload=PRELOAD)
-    done = launch(cmd[1], ranks, cmd[2:], env=env, timeout=timeout, python=cmd[0],
-                  popen=functools.partial(forkserver.popen, preload=PRELOAD), cwd=cwd, inherit=False)
+        return forkserver.run(cmd, env=env, timeout=timeout, cwd=cwd)
+    done = launch(cmd[1], ranks, cmd[2:], env=env, timeout=timeout, python=cmd[0], popen=forkserver.popen,
+                  cwd=cwd, inherit=False)
     if any(r.timed_out for r in done):
         raise subprocess.TimeoutExpired(cmd, timeout)
     return subprocess.CompletedProcess(cmd, max(abs(r.returncode) for r in done), "".join(r.stdout or "" for r in done),
