@@ -35,6 +35,10 @@ if WHEEL:
 # Each test sets the TORCHPATCH* variables it means; none leak in from the caller's shell.
 for _name in [n for n in os.environ if n.startswith("TORCHPATCH")]:
     del os.environ[_name]
+# torch 2.4 starts inductor's compile-worker pool (a process that imports torch) in every process that imports
+# torch._inductor.async_compile (torchtitan, the inductor patches' tests), compiling or not; one that compiles
+# starts it then (the same results). Off in the suite's processes, which inherit this environment.
+os.environ.setdefault("TORCH_WARM_POOL", "0")
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -82,6 +82,9 @@ def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, 
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     # the release first; a PYTHONPATH already set (a torchpatch build shadowing the venv's) stays after it
     env.update(PYTHONPATH=os.pathsep.join(p for p in (release_dir, env.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    # torch 2.4 starts inductor's compile-worker pool (a process that imports torch, per rank) when torchtitan
+    # imports inductor; the example compiles nothing (a pool would start when it did: the same results)
+    env.setdefault("TORCH_WARM_POOL", "0")
     if torchpatch:
         env["TORCHPATCH"] = "1"
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
