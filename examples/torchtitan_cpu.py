@@ -43,6 +43,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
+import torch  # noqa: F401  (first of the non-standard modules: the tests fork ranks that have imported it)
+
 # --parallel -> (ranks, data-parallel ranks, the trainer's parallelism flags, activation checkpointing:
 # "none" or per-op selective "op"). The seed checkpoint is made on one process.
 PARALLEL: Dict[str, Tuple[int, int, List[str], str]] = {
