@@ -292,7 +292,6 @@ def instrument(trainer, grad_scale: float) -> None:
     logged step, the loss and the gradients' total norm (``grad_norm``, taken where torchtitan clips;
     under pipeline parallelism ranks without the last stage hold loss -1, so the largest value over all
     ranks is the loss). ``grad_scale`` != 1 scales rank 1's gradient of the model output (a wrong gradient)."""
-    import torch
     import torch.distributed as dist
 
     utils = importlib.import_module("torchtitan.distributed.utils")
