@@ -199,6 +199,7 @@ def test_expected_outcomes(result, package):
     assert not wrong, f"{package} on torch {TORCH}:\n" + "\n".join(wrong)
 
 
+@pytest.mark.plumbing  # the suite's fork server against fresh interpreters (conftest.PLUMBING_MINORS)
 def test_fork_isolation_matches_fresh_interpreters(result):
     """The survey forks each import from a server that imported torch (or from a child of it that
     imported the packages the module lies in); a fresh interpreter per module (the definition of the
