@@ -26,9 +26,8 @@ Why:           gloo's worker thread drops its references to a collective's tenso
 Torch:         1.13 and later: 2.10+ for any collective (2.13.0, 2.14.1 and 2.15.0 measured); 1.13 to
                2.9 for a collective on a tensor Python dropped (1.13.1, 2.1.2, 2.4.1 and 2.9.0
                measured: the test's forced order aborted 4 of 4 runs natively on each, 0 with the
-               patch); the
-               common case (the tensor still alive in Python) never aborted there (0 of 20 runs on
-               2.9.0).
+               patch); the common case (the tensor still alive in Python) never aborted there (0 of
+               20 runs on 2.9.0).
 Fix:           an ``atexit`` callback (atexit runs before finalisation starts) hands the GIL to
                gloo's workers: it sleeps in 10 ms steps, which releases the GIL, until no worker
                thread has woken up during a step (their context-switch counts in
