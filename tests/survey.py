@@ -441,8 +441,8 @@ def run_survey(python: str = sys.executable, packages: Sequence[str] = PACKAGES,
     if natively not in ("all", "failures") or natively == "failures" and set(modes) != set(MODES):
         raise ValueError(f"natively must be 'all', or 'failures' with both modes, not {natively!r} with {modes}")
     start = time.monotonic()
-    everything = [(pkg, mod) for pkg in packages for mod in discover(pkg)]
     surveys = {pkg: PackageSurvey(pkg, discover(pkg), {mode: {} for mode in modes}) for pkg in packages}
+    everything = [(pkg, mod) for pkg in packages for mod in surveys[pkg].modules]
     versions = []
     for mode in sorted(modes, key=lambda m: m != "on") if natively == "failures" else modes:
         on = mode == "on"
@@ -483,7 +483,7 @@ def format_table(result: Survey) -> str:
         f"torch {result.torch}  ({result.python}; {n} modules x {len(modes)} modes in {result.seconds:.0f} s)",
         f"  {'package':<11} " + " ".join(f"{header[m]:>17}" for m in modes),
     ]
-    for name, pkg in result.packages.items():  # a mode surveyed on part of the modules: "of N" (``natively``)
+    for name, pkg in result.packages.items():  # a mode surveyed on part of the modules: "of failing" (``natively``)
         lines.append(f"  {name:<11} " + " ".join(
             f"{_percent(*pkg.rate(m)) + ('' if len(pkg.results[m]) == len(pkg.modules) else ' of failing'):>17}"
             for m in modes))
