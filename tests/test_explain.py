@@ -167,6 +167,22 @@ def test_usage_errors_exit_2_and_name_the_choices(args, error, choices):
     assert proc.stderr.startswith(f"torchpatch explain: {error}") and choices in proc.stderr
 
 
+@pytest.mark.parametrize("message", ["ValueError: batch of 0", "RuntimeError: la mémoire est épuisée",
+                                     "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+                                     "    main()\nKeyError: 'lr'"])
+@pytest.mark.torch_independent
+def test_an_error_torchpatch_does_not_know_is_answered_with_exit_0(message):
+    """An error message it read but does not know (another language included) is an answer, not a usage error."""
+    proc = explain(message, "--torch", "2.4.1")
+    last = message.splitlines()[-1]
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert proc.stdout.startswith("torchpatch explain: the message: ") and "0 known errors, 1 other error line" in proc.stdout
+    assert f"errors torchpatch does not know (first line of each, as printed):\n  line {message.count(chr(10)) + 1}: {last}" \
+        in proc.stdout and proc.stdout.endswith("exit 0\n")
+    report = json.loads(explain(message, "--torch", "2.4.1", "--json").stdout)
+    assert (report["exit"], report["errors"], [u["text"] for u in report["unrecognised"]]) == (0, [], [last])
+
+
 @pytest.mark.torch_independent
 def test_bytes_that_are_no_text_read_as_replacement_characters():
     """Binary input (a stray byte in a traceback, a binary file piped in) is never echoed back as surrogate

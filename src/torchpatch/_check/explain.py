@@ -397,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
             if os.sep in text and "\n" not in text.strip():
                 raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
                                  f"it can read, one of:\n{FORMS}") from None
-            raise
+            return _unknown_error(text, requested, note, args.json)
         target = choose_target(requested, live=True)
         report = explain(query, target, note=note)
     except (ValueError, CheckError) as exc:
@@ -405,6 +405,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return int(report["exit"])
+
+
+def _unknown_error(text: str, requested: Optional[str], note: str, as_json: bool) -> int:
+    """An error message torchpatch does not know (exit 0: it was read), answered as a one-message log;
+    text with no error line in it is a usage error (exit 2)."""
+    import io
+
+    from .logs import explain_log, format_log, scan
+
+    found = scan(io.BytesIO(text.encode("utf-8", "replace")))
+    if not found.unrecognised:
+        raise ValueError(f"cannot tell which name {text.strip()[:200]!r} is about; give an error message or a "
+                         f"dotted name (or a log: - or PATH), one of:\n{FORMS}")
+    report = explain_log(found, "the message", requested, note)
+    print(json.dumps(report, indent=2) if as_json else format_log(report))
+    return 0
 
 
 def _format_known(report: Dict[str, Any]) -> List[str]:
