@@ -10,10 +10,13 @@ by ordering alone, whatever the machine's load:
   rank 0 keeps the GIL (pure Python, numpy reads of the result, a long switch interval), so the
   worker, done with the collective, waits for the GIL to free the input.
 - rank 0 then calls ``destroy_process_group()``: natively the group's last reference dies in it and
-  ``~ProcessGroupGloo`` joins that worker with the GIL held, forever (the run is killed by its
-  timeout); with TORCHPATCH=1 the gloo backend's own holder frees it with the GIL released.
+  ``~ProcessGroupGloo`` joins that worker with the GIL held, forever (rank 1 says so, the
+  launcher kills rank 0); with TORCHPATCH=1 the gloo backend's own holder frees it with the GIL released.
 
-Rank 1 leaves with ``os._exit`` once rank 0 has the result (its own exit is not what is measured).
+Rank 1 is the watch: from the moment rank 0 enters ``destroy_process_group()`` it gives it
+``GLOO_DESTROY_WAIT`` seconds to return (a destroy that does not hang takes milliseconds), then leaves
+with ``os._exit``: 0 if it returned, 3 if not (the launcher then kills rank 0). Start-up and load
+before the destroy count for nothing.
 The native program hangs in every run (2026-11-29: 3 of 3 on torch 2.1.2, 2 of 2 on 2.4.1; with
 TORCHPATCH=1 each of those exited); the free-running race it
 stands for hung 7 of 20 runs of a plain script (all_reduce, all_gather_object, destroy) on 2.1.2.
@@ -26,18 +29,23 @@ from conftest import clean_env, launch, where_patch_applies, where_patch_does_no
 pytestmark = pytest.mark.fresh_interpreter  # a hang in interpreter-level teardown
 
 SCRIPT = """
-import json, mmap, os, sys, torch, torch.distributed as dist
+import json, mmap, os, sys, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 with open(os.environ["GLOO_DESTROY_FLAGS"], "r+b") as f:
-    flags = mmap.mmap(f.fileno(), 2)  # [0]: rank 0 posted and dropped its input; [1]: it has the result
+    flags = mmap.mmap(f.fileno(), 2)  # [0]: 1 rank 0 posted and dropped its input, 2 destroyed; [1]: destroying
 if rank == 1:
     while flags[0] == 0:
         pass
     dist.all_gather([torch.zeros(4), torch.zeros(4)], torch.full((4,), 2.0))
     while flags[1] == 0:
         pass
-    os._exit(0)
+    deadline = time.monotonic() + float(os.environ["GLOO_DESTROY_WAIT"])
+    while flags[0] != 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if flags[0] != 2:
+        print("rank 0 is still in destroy_process_group", flush=True)
+    os._exit(0 if flags[0] == 2 else 3)
 
 import torchpatch
 print(json.dumps({"status": torchpatch.status().get("gloo-destroy-hang")}), flush=True)
@@ -50,36 +58,40 @@ while result[0] != 2.0:  # the worker wrote rank 1's part; it then frees the wor
     pass
 flags[1] = 1
 dist.destroy_process_group()
+flags[0] = 2
 print("destroyed", flush=True)
 """
-TIMEOUT = 40  # seconds: a hung rank 0 is killed then (a run that exits takes a few seconds)
+# Seconds rank 1 gives rank 0's destroy before calling it hung: where the hang is expected, the time it
+# costs; where it is not, a bound no loaded machine reaches (the destroy itself takes milliseconds).
+HUNG_AFTER, RETURNS_WITHIN = 5, 120
 
 
-def rank0(tmp_path, **env):
+def run(tmp_path, wait, **env):
+    """Both ranks' results; rank 0's output says how far it got, rank 1's exit status whether it returned."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     path, flags = tmp_path / "rank_script.py", tmp_path / "flags"
     path.write_text(SCRIPT)
     flags.write_bytes(bytes(2))
-    return launch(str(path), 2, env=clean_env(GLOO_DESTROY_FLAGS=str(flags), **env), timeout=TIMEOUT)[0]
+    return launch(str(path), 2, env=clean_env(GLOO_DESTROY_FLAGS=str(flags), GLOO_DESTROY_WAIT=str(wait), **env),
+                  timeout=wait + 300)
 
 
 @where_patch_applies("gloo-destroy-hang")
 def test_native_hang_in_destroy_process_group(tmp_path):
-    proc = rank0(tmp_path)
-    assert proc.timed_out and "destroyed" not in proc.stdout, (proc.returncode, proc.stderr[-2000:])
-    assert '{"status": null}' in proc.stdout  # it got as far as the destroy
+    rank0, rank1 = run(tmp_path, HUNG_AFTER)
+    assert rank1.returncode == 3 and "still in destroy_process_group" in rank1.stdout, (rank1.returncode, rank1.stderr[-2000:])
+    assert rank0.killed and "destroyed" not in rank0.stdout and '{"status": null}' in rank0.stdout, rank0.stderr[-2000:]
 
 
 @where_patch_applies("gloo-destroy-hang")
 def test_destroy_returns_and_the_job_exits(tmp_path):
-    proc = rank0(tmp_path, TORCHPATCH="1", TORCHPATCH_LOG="off")
-    assert proc.returncode == 0 and not proc.timed_out, proc.stderr[-3000:]
-    assert '{"status": "applied"}' in proc.stdout and "destroyed" in proc.stdout
+    rank0, rank1 = run(tmp_path, RETURNS_WITHIN, TORCHPATCH="1", TORCHPATCH_LOG="off")
+    assert (rank0.returncode, rank1.returncode) == (0, 0) and not rank0.timed_out, rank0.stderr[-3000:] + rank1.stdout
+    assert '{"status": "applied"}' in rank0.stdout and "destroyed" in rank0.stdout
 
 
 @where_patch_does_not_apply("gloo-destroy-hang", "2.8 frees ProcessGroup with the GIL released; 1.13's group is the gloo backend")
 def test_no_hang_and_inactive_outside_2_0_to_2_7(tmp_path):
-    for env in ({}, {"TORCHPATCH": "1", "TORCHPATCH_LOG": "off"}):
-        proc = rank0(tmp_path, **env)
-        assert proc.returncode == 0 and not proc.timed_out, proc.stderr[-3000:]
-        assert '{"status": null}' in proc.stdout and "destroyed" in proc.stdout
+    rank0, rank1 = run(tmp_path, RETURNS_WITHIN, TORCHPATCH="1", TORCHPATCH_LOG="off")
+    assert (rank0.returncode, rank1.returncode) == (0, 0) and not rank0.timed_out, rank0.stderr[-3000:]
+    assert '{"status": null}' in rank0.stdout and "destroyed" in rank0.stdout
