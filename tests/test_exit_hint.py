@@ -8,7 +8,8 @@ from conftest import clean_env, run_py
 from torchpatch._registry import catalogue_ranges
 from torchpatch import _versions
 
-pytestmark = pytest.mark.fresh_interpreter  # what a real interpreter prints as it dies
+# what a real interpreter prints as it dies; the hook is torchpatch's, the same on every torch: plumbing
+pytestmark = [pytest.mark.fresh_interpreter, pytest.mark.plumbing]
 
 # deepcopy of a process group: every torch raises it natively (processgroup-deepcopy applies to all)
 DEEPCOPY = """
