@@ -12,7 +12,6 @@ a few raise nothing a pattern could tell apart, each listed in :data:`NO_PATTERN
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 

@@ -41,7 +41,7 @@ def fix_report(entry: Dict[str, Any], details: List[str], torch: str, text: str,
     elif state["enabled"]:
         verdict = "fixed here"
         remedy = ("run the job with TORCHPATCH=1 (this shell does not set it) or `torchpatch run -- CMD`"
-                  if not torchpatch_on else f"it acts with TORCHPATCH=1; if the error stays, `torchpatch doctor` "
+                  if not torchpatch_on else "it acts with TORCHPATCH=1; if the error stays, `torchpatch doctor` "
                   "tells whether torchpatch is active in the job's interpreter")
     else:
         verdict = "switched off"
