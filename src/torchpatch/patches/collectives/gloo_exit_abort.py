@@ -1,5 +1,5 @@
 """gloo-exit-abort: a gloo rank aborts at interpreter exit, after its last line of Python, on every
-torch (1.13 and later).
+torch: torch 1.13 and later.
 
 What breaks:   a gloo job's rank dies as it exits with ``terminate called without an active
                exception`` and SIGABRT (exit code -6 / 134), so torchrun reports the whole run as
