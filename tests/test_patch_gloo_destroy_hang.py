@@ -1,8 +1,8 @@
 """gloo-destroy-hang: ``destroy_process_group()`` must not join gloo's workers with the GIL held.
 
 The hang needs a gloo worker that still holds a finished collective whose input tensor Python has
-dropped (freeing it then needs the GIL) when the group dies with the GIL held. Both are made certain
-by ordering alone, whatever the machine's load:
+dropped (freeing it then needs the GIL) when the group dies with the GIL held. Ordering alone makes
+both likely, whatever the machine's load:
 
 - rank 0 posts an async all_gather and drops both the work and its input: gloo's worker holds the last
   reference to the work, the work the last to the input, whose C++ side then owns its Python object. Only then does rank 1 join: it waits for a byte that
@@ -17,9 +17,12 @@ Rank 1 is the watch: from the moment rank 0 enters ``destroy_process_group()`` i
 ``GLOO_DESTROY_WAIT`` seconds to return (a destroy that does not hang takes milliseconds), then leaves
 with ``os._exit``: 0 if it returned, 3 if not (the launcher then kills rank 0). Start-up and load
 before the destroy count for nothing.
-The native program hangs in every run (2026-11-29: 3 of 3 on torch 2.1.2, 2 of 2 on 2.4.1; with
-TORCHPATCH=1 each of those exited); the free-running race it
-stands for hung 7 of 20 runs of a plain script (all_reduce, all_gather_object, destroy) on 2.1.2.
+The native program hangs in most runs, not all (2026-11-29, on 2.4.1: 7 of 8 runs by hand, and not the
+one run of CI's 2.4.1 session, both under load; on 2.1.2 every run so far; with TORCHPATCH=1 every run
+exits). Presumably a call inside ``destroy_process_group`` releases the GIL before the group dies and a
+worker already waiting for it gets through (not traced). So the native test runs it up to
+``NATIVE_ATTEMPTS`` times and needs one hang. The free-running race it stands for hung 7 of 20 runs of a
+plain script (all_reduce, all_gather_object, destroy) on 2.1.2.
 """
 
 import pytest
@@ -64,6 +67,7 @@ print("destroyed", flush=True)
 # Seconds rank 1 gives rank 0's destroy before calling it hung: where the hang is expected, the time it
 # costs; where it is not, a bound no loaded machine reaches (the destroy itself takes milliseconds).
 HUNG_AFTER, RETURNS_WITHIN = 5, 120
+NATIVE_ATTEMPTS = 5  # the native order hangs in most runs, not all (the module docstring says why)
 
 
 def run(tmp_path, wait, **env):
@@ -78,8 +82,13 @@ def run(tmp_path, wait, **env):
 
 @where_patch_applies("gloo-destroy-hang")
 def test_native_hang_in_destroy_process_group(tmp_path):
-    rank0, rank1 = run(tmp_path, HUNG_AFTER)
-    assert rank1.returncode == 3 and "still in destroy_process_group" in rank1.stdout, (rank1.returncode, rank1.stderr[-2000:])
+    outcomes = []
+    for attempt in range(NATIVE_ATTEMPTS):  # one hang shows it; each run that did not hang is listed
+        rank0, rank1 = run(tmp_path / str(attempt), HUNG_AFTER)
+        if rank1.returncode == 3:
+            break
+        outcomes.append((rank0.returncode, rank1.returncode, rank0.stderr[-500:]))
+    assert rank1.returncode == 3 and "still in destroy_process_group" in rank1.stdout, outcomes
     assert rank0.killed and "destroyed" not in rank0.stdout and '{"status": null}' in rank0.stdout, rank0.stderr[-2000:]
 
 
