@@ -52,6 +52,11 @@ PER_PROCESS_PREFIX = "PYTEST_"
 # Modules a script may import before torch and still be forked: torch imports them itself (or they
 # have no import-time effect on it), and torchpatch is what the start-up hook already imported.
 BEFORE_TORCH = frozenset(getattr(sys, "stdlib_module_names", ())) | {"torchpatch"}
+# tools/native_errors.py sets CAPTURE to a directory holding ``tracer.py``: each process a test starts
+# records there the exceptions that reach its own program's code (a fresh ``-c`` one through the prelude).
+CAPTURE, CAPTURE_TEST = "NATIVE_ERRORS_OUT", "PYTEST_NATIVE_ERRORS_TEST"
+CAPTURE_PRELUDE = ("import os as _o; _t = {}; exec(open(_o.path.join(_o.environ['NATIVE_ERRORS_OUT'], 'tracer.py')).read(), _t); "
+                   "_t['install']('<string>'); del _o, _t\n")
 SERVERS_KEPT = 6  # per test process; each holds an imported torch (300-500 MB)
 ENABLED = os.environ.get("TORCHPATCH_TEST_FORK", "1") != "0" and sys.platform == "linux"
 
@@ -231,6 +236,10 @@ def popen(cmd: Sequence[str], *, env: Optional[Mapping[str, str]] = None, cwd: O
     ``stdout``/``stderr`` are files (examples/launch.py passes these); otherwise a fresh process."""
     cmd = [str(part) for part in cmd]
     env = dict(os.environ if env is None else env)
+    if CAPTURE in env:  # tools/native_errors.py: the child records the exceptions its own code meets
+        env[CAPTURE_TEST] = os.environ.get("PYTEST_CURRENT_TEST", "")
+        if len(cmd) >= 3 and cmd[1] == "-c" and not forkable(cmd[2], env):
+            cmd[2] = CAPTURE_PRELUDE + cmd[2]
     fresh = lambda: subprocess.Popen(cmd, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr)  # noqa: E731
     plain = len(cmd) >= 2 and not cmd[1].startswith("-") or len(cmd) >= 3 and cmd[1] == "-c"
     if not (plain and stdin == subprocess.DEVNULL and hasattr(stdout, "fileno") and hasattr(stderr, "fileno")):

@@ -137,6 +137,10 @@ def _run(request, fds, activation_set):
         main.__file__ = request["file"]
     main.__builtins__ = __builtins__
     sys.modules["__main__"] = main
+    if os.environ.get("NATIVE_ERRORS_OUT"):  # tools/native_errors.py: record the exceptions the program meets
+        tracer = {}
+        exec(open(os.path.join(os.environ["NATIVE_ERRORS_OUT"], "tracer.py")).read(), tracer)
+        tracer["install"](request["file"] or "<string>")
     try:
         exec(compile(request["source"], request["file"] or "<string>", "exec"), vars(main))
     except SystemExit as exc:

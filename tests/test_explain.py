@@ -147,8 +147,10 @@ def test_a_traceback_from_standard_input():
     )
     proc = explain("-", "--torch", "2.1.2", "--json", stdin=traceback)
     assert proc.returncode == 0, proc.stderr
-    found = json.loads(proc.stdout)
+    error, = json.loads(proc.stdout)["errors"]  # a log: each distinct error explained (tests/test_explain_logs.py)
+    found = error["explanation"]
     assert found["name"] == "torch.distributed._tensor.Partial" and found["query"].startswith(PARTIAL)
+    assert found["verdict"] == "served" and error["first_line"] == 4
 
 
 @pytest.mark.parametrize("args, error, choices", [
@@ -165,6 +167,22 @@ def test_usage_errors_exit_2_and_name_the_choices(args, error, choices):
     assert proc.stderr.startswith(f"torchpatch explain: {error}") and choices in proc.stderr
 
 
+@pytest.mark.parametrize("message", ["ValueError: batch of 0", "RuntimeError: la mémoire est épuisée",
+                                     "Traceback (most recent call last):\n  File \"train.py\", line 3, in <module>\n"
+                                     "    main()\nKeyError: 'lr'"])
+@pytest.mark.torch_independent
+def test_an_error_torchpatch_does_not_know_is_answered_with_exit_0(message):
+    """An error message it read but does not know (another language included) is an answer, not a usage error."""
+    proc = explain(message, "--torch", "2.4.1")
+    last = message.splitlines()[-1]
+    assert (proc.returncode, proc.stderr) == (0, ""), proc.stderr
+    assert proc.stdout.startswith("torchpatch explain: the message: ") and "0 known errors, 1 other error line" in proc.stdout
+    assert f"errors torchpatch does not know (first line of each, as printed):\n  line {message.count(chr(10)) + 1}: {last}" \
+        in proc.stdout and proc.stdout.endswith("exit 0\n")
+    report = json.loads(explain(message, "--torch", "2.4.1", "--json").stdout)
+    assert (report["exit"], report["errors"], [u["text"] for u in report["unrecognised"]]) == (0, [], [last])
+
+
 @pytest.mark.torch_independent
 def test_bytes_that_are_no_text_read_as_replacement_characters():
     """Binary input (a stray byte in a traceback, a binary file piped in) is never echoed back as surrogate
@@ -173,11 +191,12 @@ def test_bytes_that_are_no_text_read_as_replacement_characters():
         return subprocess.run([sys.executable, "-m", "torchpatch", "explain", *args], input=stdin, capture_output=True,
                               env=clean_env(PYTHONIOENCODING="utf-8"), timeout=300)
 
-    for proc in (run(["-"], b"What \xff\xfe?"), run([b"What \xff\xfe?"])):
-        error = proc.stderr.decode("utf-8")  # strict: a surrogate written out raw would not decode
-        assert proc.returncode == 2 and error.startswith("torchpatch explain: cannot tell which name 'What \ufffd\ufffd?'")
+    proc = run([b"What \xff\xfe?"])
+    error = proc.stderr.decode("utf-8")  # strict: a surrogate written out raw would not decode
+    assert proc.returncode == 2 and error.startswith("torchpatch explain: cannot tell which name 'What \ufffd\ufffd?'")
     proc = run(["-", "--torch", "2.1.2", "--json"], f"{PARTIAL}\n\xff\n".encode("latin-1"))
-    assert proc.returncode == 0 and json.loads(proc.stdout)["name"] == "torch.distributed._tensor.Partial"
+    error, = json.loads(proc.stdout)["errors"]  # standard input is a log
+    assert proc.returncode == 0 and error["explanation"]["name"] == "torch.distributed._tensor.Partial"
 
 
 @pytest.mark.torch_independent

@@ -66,6 +66,16 @@ def test_wheel_ships_engine_catalogue_and_start_up_hooks(files):
     assert not any(f.startswith("patches/") for f in files)  # no top-level package that could collide
 
 
+def test_the_top_level_sitecustomize_example_is_the_bootstrap_torchpatch_run_uses():
+    """The file the cluster docs tell admins to copy, at the top of the repository and the sdist, is byte for
+    byte the bootstrap ``torchpatch run`` puts first on PYTHONPATH (the package's own copy)."""
+    from torchpatch._run import BOOTSTRAP
+
+    example = (REPO / "sitecustomize_example.py").read_bytes()
+    assert example == (Path(BOOTSTRAP) / "sitecustomize.py").read_bytes()
+    assert example == (REPO / "src" / "torchpatch" / "_bootstrap" / "sitecustomize.py").read_bytes()
+
+
 def test_torch_is_not_a_dependency(shipped):
     requires = shipped.requires or []
     assert not any(r.split(";")[0].strip().lower().startswith("torch") for r in requires), requires
@@ -130,7 +140,7 @@ def test_sdist_and_the_wheel_built_from_it_ship_license_changelog_and_type_marke
         names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
         pkg_info = tar.extractfile(f"torchpatch-{version}/PKG-INFO").read().decode()
     assert {"LICENSE", "CHANGELOG.md", "README.md", "pyproject.toml", "src/torchpatch/py.typed",
-            "src/torchpatch/_version.py"} <= names, sorted(names)
+            "src/torchpatch/_version.py", "sitecustomize_example.py"} <= names, sorted(names)
     assert f"Version: {version}" in pkg_info and "License-File: LICENSE" in pkg_info
     with zipfile.ZipFile(wheel) as whl:
         files = set(whl.namelist())

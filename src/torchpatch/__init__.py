@@ -7,10 +7,11 @@ Activated in every process by ``TORCHPATCH=1`` (through the ``torchpatch.pth`` s
 from ._installation import PatchError
 from ._manager import _activate_at_startup, install, is_installed, status, uninstall
 from ._plan import PatchPlan, plan
-from ._patch import Patch, Patcher
+from ._patch import Error, Patch, Patcher
 from ._version import __version__
 
 __all__ = [
+    "Error",
     "Patch",
     "PatchError",
     "PatchPlan",

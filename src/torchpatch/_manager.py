@@ -14,6 +14,7 @@ from typing import Dict, Mapping, Optional
 import _torchpatch_startup
 
 from ._config import Config
+from ._fixes import arm_exit_hint, disarm_exit_hint
 from ._installation import Installation
 from ._plan import plan
 from ._summary import JobSummary, configure_logging, log, log_summary
@@ -31,6 +32,11 @@ def _log_summary() -> None:
     if (inst is not None and "torch" in sys.modules and _job is not None and _job.should_print()
             and log.isEnabledFor(logging.INFO)):
         log_summary(inst.outcome())
+
+
+def _switched_off() -> Dict[str, str]:
+    """Patch id -> why it is off, for the patches that apply here but are switched off (exit hint)."""
+    return _current.outcome().switched_off if _current is not None else {}
 
 
 def install(environ: Optional[Mapping[str, str]] = None) -> None:
@@ -61,6 +67,7 @@ def install(environ: Optional[Mapping[str, str]] = None) -> None:
         if _job is None:
             _job = JobSummary()
         atexit.register(_log_summary)
+        arm_exit_hint(_switched_off)
         if cfg.report_dir:
             from . import _report
 
@@ -75,6 +82,7 @@ def uninstall() -> None:
         inst, _current = _current, None
         if inst is not None:
             atexit.unregister(_log_summary)
+            disarm_exit_hint()
             inst.stop()
 
 

@@ -120,6 +120,18 @@ class Patcher:
                 setattr(owner, name, previous)
 
 
+@dataclass(frozen=True)
+class Error:
+    """An error a patch makes go away, as users see it: ``pattern``, a regular expression searched in
+    one line of a message or log (rank prefixes stripped), specific to this error; ``example``, the
+    message as the patch's native-failure test really meets it (``ExceptionType: message`` on one line;
+    a long one may end in ``...``), which the pattern must match (tests/test_explain_fixes.py holds
+    both to what the test raised, ``_data/native_errors.json``)."""
+
+    pattern: str
+    example: str
+
+
 @dataclass
 class Patch:
     """One entry of the catalogue.
@@ -128,7 +140,8 @@ class Patch:
     torch's base version; ``python`` likewise against the interpreter. A patch only ever *adds* what
     the installed torch lacks: shim modules are served only for modules that do not exist, symbols
     only where the attribute is missing, and behaviour hooks say ``False`` when torch already has
-    the fix. ``category`` is one of :data:`CATEGORIES`.
+    the fix. ``category`` is one of :data:`CATEGORIES`. ``errors``: the :class:`Error` s that users
+    see without the patch (what ``torchpatch explain`` recognises; names the patch serves need none).
     """
 
     id: str
@@ -139,6 +152,7 @@ class Patch:
     python: str = ""
     behaviour: str = ""
     category: str = "compatibility"
+    errors: Tuple[Error, ...] = ()
     modules: Dict[str, ModuleBuilder] = field(default_factory=dict, repr=False)
     aliases: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (name, target, torch)
     symbols: Dict[Tuple[str, str], SymbolFactory] = field(default_factory=dict, repr=False)
@@ -152,6 +166,7 @@ class Patch:
         if self.category not in CATEGORIES:
             raise ValueError(f"patch {self.id}: category {self.category!r} is not one of {', '.join(CATEGORIES)}")
         self.requires = tuple(self.requires)
+        self.errors = tuple(self.errors)
 
     @property
     def env_name(self) -> str:

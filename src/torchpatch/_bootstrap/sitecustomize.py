@@ -3,7 +3,8 @@
 Install once, as ``sitecustomize.py`` in a directory that every job has on ``PYTHONPATH`` (a shared
 filesystem, a container's site directory)::
 
-    cp src/torchpatch/_bootstrap/sitecustomize.py /shared/pyboot/sitecustomize.py   # or from the installed package
+    cp sitecustomize_example.py /shared/pyboot/sitecustomize.py   # from a checkout or the sdist, or:
+    cp "$(python -c 'import torchpatch._run as r; print(r.BOOTSTRAP)')/sitecustomize.py" /shared/pyboot/
     export PYTHONPATH=/shared/pyboot${PYTHONPATH:+:$PYTHONPATH}
     TORCHPATCH=1 torchrun --nproc_per_node 8 train.py
 
@@ -11,7 +12,8 @@ It does what torchpatch's own ``.pth`` start-up hook does, for environments wher
 processed (``pip install --target``, a shared PYTHONPATH): with ``TORCHPATCH`` unset or off it imports
 nothing of torchpatch, and where torchpatch is not installed it does nothing. Then it imports the
 ``sitecustomize`` it shadows, if there is one, so an existing site customisation keeps working.
-``torchpatch run -- CMD`` uses this very file, torchpatch/_bootstrap/sitecustomize.py in the package.
+``torchpatch run -- CMD`` uses this very file, torchpatch/_bootstrap/sitecustomize.py in the package;
+sitecustomize_example.py at the top of the repository is a byte-identical copy (a test keeps them equal).
 """
 
 import importlib

@@ -35,7 +35,8 @@ from .target import Target, choose_target
 # What the query is: a dotted name, or the name an error message is about.
 NAME, IMPORT, NO_MODULE, ATTRIBUTE, MEMBER = "name", "import", "module", "attribute", "member"
 # The answer, and the exit status of each.
-VERDICTS = {"native": 0, "served": 0, "switched off": 1, "not backportable": 1, "missing": 1, "unknown": 1}
+VERDICTS = {"native": 0, "served": 0, "switched off": 1, "not backportable": 1, "missing": 1, "unknown": 1,
+            "known error": 1}
 
 _MESSAGES = (
     (IMPORT, re.compile(r"cannot import name '([^']+)' from (?:partially initialized module )?'([^']+)'")),
@@ -290,42 +291,113 @@ shell's TORCHPATCH_* variables have that patch on), or why it cannot be backport
 
 {FORMS}
 
-A whole traceback works too (the last error in it counts); MESSAGE `-` reads it from standard input:
+An error a patch fixes (its Patch(errors=...): `Cannot use ReduceOp.AVG with Gloo`, `cannot pickle
+'...ProcessGroup' object`, ...) names that patch and whether it acts on the chosen torch: on (exit 0),
+switched off by a flag, or for other torch versions (exit 1). Known errors no patch makes go away (patches/_data/known_errors.json: torch 2.4's `2D state_dict is
+under development`, `Weights only load failed`, DCP's `Missing key in checkpoint state_dict`, DTensor's
+`in-place operations that require placement changes`, ...) get their meaning, a one-line remedy and
+the upstream link. A message with several lines: the last error in it counts.
+
+A whole log: `-` (standard input) or a file's PATH. It is read in blocks (fast on a log of 100 MB,
+nothing in it is run), rank prefixes ([rank1]:, [default1]:, srun's `1: ` and `srun:`) are stripped,
+and every distinct known error is explained once, with its first line, how often and which ranks
+printed it; the other error lines are listed as not known:
   python train.py 2>&1 | torchpatch explain -
+  torchpatch explain job.log --json
 
 --torch: the installed torch by default (its inventory, and a helper that imports it for what the
 inventory cannot say); where torch is not installed, the newest inventoried torch. Members are known
 for torch.distributed's classes (the inventories record their class-level members).
 
-Verdicts: native, served (exit 0); switched off, not backportable, missing, unknown (exit 1).
-Exit 2: a usage error (a message it cannot read, an unknown --torch).
+Verdicts of a message: native, served, fixed here (exit 0); switched off, not backportable, missing,
+unknown, not for this torch, known error (exit 1). A log: exit 0 once it was read (empty, binary or without known errors too).
+Exit 2: a usage error (a message it cannot read, an unreadable PATH, an unknown --torch).
 """
 
 
 def register(sub: Any) -> None:
     """Add ``explain`` to the CLI's subcommands."""
-    p = sub.add_parser("explain", help="what an ImportError/AttributeError about torch means: which torch has the"
-                       " name, which patch serves it", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("message", metavar="MESSAGE", help="an error message, a traceback, a dotted name, or - (stdin)")
+    p = sub.add_parser("explain", help="what an ImportError/AttributeError about torch or a known error means (which"
+                       " torch has the name, which patch serves it, the remedy); every one in a whole log", description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("message", metavar="MESSAGE", help="an error message, a dotted name, or a log: - (stdin) or a file's PATH")
     p.add_argument("--torch", metavar="VERSION", help="explain for this torch: X.Y.Z, or X.Y for the newest inventoried"
                    f" X.Y.*; inventoried: {', '.join(inventory_files())}")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.message == "-":
-        raw, encoding = sys.stdin.buffer.read(), sys.stdin.encoding or "utf-8"
+def patch_state(patch_id: str, torch: str, patches: Sequence[Patch], cfg: Config) -> Dict[str, Any]:
+    """Whether the patch ``patch_id`` applies to ``torch`` and whether this shell's switches have it on."""
+    serving = Serving.for_torch(torch, patches, cfg)
+    spec = next((p.torch for p in patches if p.id == patch_id), None)
+    decision = serving.decisions.get(patch_id)
+    if decision is None:
+        state = f"not for torch {torch}: it applies to torch {spec}"
+    elif decision.enabled:
+        state = f"on here ({decision.reason}); it acts in processes started with TORCHPATCH=1"
     else:
-        raw, encoding = os.fsencode(args.message), sys.getfilesystemencoding()
-    text = raw.decode(encoding, "replace")  # bytes that are no text read as U+FFFD, never echoed as surrogate escapes
+        state = f"off here: {decision.reason}"
+    return {"patch": patch_id, "torch": spec, "applies": decision is not None,
+            "enabled": bool(decision and decision.enabled), "state": state}
+
+
+def _known(text: str, requested: Optional[str], cfg: Config) -> Optional[Dict[str, Any]]:
+    """The answer about the last known error (or error a patch fixes) in ``text`` (a message, not a
+    log; what its lines name collected from all of them) on the torch ``requested`` (None: the
+    installed one), or None."""
+    import io
+
+    from .fixes import report_for
+    from .logs import known_errors, scan
+
+    found = [f for f in scan(io.BytesIO(text.encode("utf-8", "replace"))).found.values() if f.kind == "known"]
+    if not found:
+        return None
+    version = _target_version(requested)
+    line = max(f.first_line for f in found)
+    by_id = {e["id"]: e for e in known_errors()}
+    # of the entries the last such line matches (two patches may fix one error), one that applies here first
+    last = sorted([f for f in found if f.first_line == line],
+                  key=lambda f: not _versions.matches(by_id[f.key]["torch"] or ">=0", version))[0]
+    return report_for(by_id[last.key], last.details, version, last.text, all_patches(), cfg)
+
+
+def _target_version(requested: Optional[str]) -> str:
+    """The torch version a known error is answered for (no helper process needed)."""
+    target = choose_target(requested, live=False)
+    target.close()
+    return target.version
+
+
+def run(args: argparse.Namespace) -> int:
     note = ""
     requested = args.torch
     if requested is None and _versions.torch_version() is None:
         requested = list(inventory_files())[-1]
         note = f"torch is not installed here: answering for the newest inventoried torch, {requested} (--torch to choose)"
+    if os.sep in args.message and os.path.isdir(args.message):
+        print(f"torchpatch explain: {args.message} is a directory: give a log file, - for standard input, or a "
+              "message", file=sys.stderr)
+        return 2
+    if args.message == "-" or (os.path.exists(args.message) and not os.path.isdir(args.message)):
+        from .logs import run_log  # a log: a file, or a pipe (<(command), /dev/stdin)
+
+        return run_log(args, requested, note)
+    text = os.fsencode(args.message).decode(sys.getfilesystemencoding(), "replace")  # never surrogate escapes
     try:
-        query = parse(text)
+        known = _known(text, requested, Config.from_environ())  # a known error, or one a patch fixes, first
+        if known is not None:
+            if note:
+                known["notes"] = [note]
+            print(json.dumps(known, indent=2) if args.json else "\n".join(_format_known(known)))
+            return int(known["exit"])
+        try:
+            query = parse(text)
+        except ValueError:
+            if os.sep in text and "\n" not in text.strip():
+                raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
+                                 f"it can read, one of:\n{FORMS}") from None
+            return _unknown_error(text, requested, note, args.json)
         target = choose_target(requested, live=True)
         report = explain(query, target, note=note)
     except (ValueError, CheckError) as exc:
@@ -333,3 +405,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     return int(report["exit"])
+
+
+def _unknown_error(text: str, requested: Optional[str], note: str, as_json: bool) -> int:
+    """An error message torchpatch does not know (exit 0: it was read), answered as a one-message log;
+    text with no error line in it is a usage error (exit 2)."""
+    import io
+
+    from .logs import explain_log, format_log, scan
+
+    found = scan(io.BytesIO(text.encode("utf-8", "replace")))
+    if not found.unrecognised:
+        raise ValueError(f"cannot tell which name {text.strip()[:200]!r} is about; give an error message or a "
+                         f"dotted name (or a log: - or PATH), one of:\n{FORMS}")
+    report = explain_log(found, "the message", requested, note)
+    print(json.dumps(report, indent=2) if as_json else format_log(report))
+    return 0
+
+
+def _format_known(report: Dict[str, Any]) -> List[str]:
+    from .logs import format_known
+
+    return format_known(report) + [f"  note         {n}" for n in report.get("notes", [])] + [
+        f"{report['verdict']}; exit {report['exit']}"]

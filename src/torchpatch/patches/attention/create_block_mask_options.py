@@ -23,7 +23,7 @@ import inspect
 from types import ModuleType
 from typing import Any, Callable, Optional
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="create-block-mask-options",
@@ -32,6 +32,10 @@ PATCH = Patch(
     torch=">=2.9,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/nn/attention/flex_attention.py",
     behaviour="create_block_mask(separate_full_blocks=...)",
+    errors=(
+        Error(r"create_block_mask\(\) got an unexpected keyword argument 'separate_full_blocks'",
+              "TypeError: create_block_mask() got an unexpected keyword argument 'separate_full_blocks'"),
+    ),
 )
 
 

@@ -18,7 +18,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/140467 (torch 2.6)
 import inspect
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="sdpa-kernel-priority",
@@ -26,6 +26,10 @@ PATCH = Patch(
     torch=">=2.3,<2.6",
     upstream="https://github.com/pytorch/pytorch/pull/140467",
     behaviour="sdpa_kernel(backends, set_priority=...)",
+    errors=(
+        Error(r"sdpa_kernel\(\) got an unexpected keyword argument 'set_priority'",
+              "TypeError: sdpa_kernel() got an unexpected keyword argument 'set_priority'"),
+    ),
 )
 
 FIXED_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")

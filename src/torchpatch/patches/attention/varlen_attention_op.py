@@ -19,7 +19,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/164502 (varlen_attn and i
 from types import ModuleType
 from typing import Any, List, Optional, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="varlen-attention-op",
@@ -27,6 +27,10 @@ PATCH = Patch(
     torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/164502",
     requires=("varlen-attention",),
+    errors=(
+        Error(r"'_OpNamespace' 'torch_attn' object has no attribute '_varlen_attn'",
+              "AttributeError: '_OpNamespace' 'torch_attn' object has no attribute '_varlen_attn'"),
+    ),
 )
 
 SCHEMA = ("_varlen_attn(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q, Tensor? cu_seq_k, SymInt max_q, "

@@ -26,7 +26,7 @@ import re
 from types import ModuleType
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="dcp-newer-metadata-error",
@@ -34,6 +34,11 @@ PATCH = Patch(
     torch=">=2.0,<2.3",
     upstream="https://github.com/pytorch/pytorch/pull/116248",
     behaviour="reading the metadata of a checkpoint that torch 2.3 or newer saved",
+    errors=(
+        Error(r"Can't get attribute '_MEM_FORMAT_ENCODING' on <module 'torch\.distributed\.checkpoint\.metadata'",
+              "AttributeError: Can't get attribute '_MEM_FORMAT_ENCODING' on <module "
+              "'torch.distributed.checkpoint.metadata' ..."),
+    ),
 )
 
 # "Can't get attribute 'NAME' on <module 'MODULE' from ...>" (pickle), "No module named 'MODULE'"

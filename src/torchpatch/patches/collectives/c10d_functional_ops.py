@@ -54,7 +54,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 if TYPE_CHECKING:
     import torch
@@ -70,6 +70,12 @@ PATCH = Patch(
     torch=">=2.1,<2.2",
     upstream="https://github.com/pytorch/pytorch/pull/110570",
     behaviour="13 torch.ops._c10d_functional ops registered (torch 2.4 schemas); ProcessGroup.group_name",
+    errors=(
+        Error(r"'_OpNamespace' '_c10d_functional' object has no attribute '\w+'",
+              "AttributeError: '_OpNamespace' '_c10d_functional' object has no attribute 'reduce_scatter_tensor'"),
+        Error(r"type object 'torch\._C\._distributed_c10d\.ProcessGroup' has no attribute 'group_name'",
+              "AttributeError: type object 'torch._C._distributed_c10d.ProcessGroup' has no attribute 'group_name'"),
+    ),
 )
 
 

@@ -16,7 +16,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/149781 (ProcessGroupGloo 
 import inspect
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="gloo-avg",
@@ -24,6 +24,10 @@ PATCH = Patch(
     torch=">=2.2,<2.7",
     upstream="https://github.com/pytorch/pytorch/pull/149781",
     behaviour='funcol.all_reduce(x, "avg", gloo_group)',
+    errors=(
+        Error(r'Cannot use ReduceOp\.AVG with Gloo',
+              "RuntimeError: Cannot use ReduceOp.AVG with Gloo"),
+    ),
 )
 
 

@@ -14,7 +14,7 @@ Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="init-process-group-ranks",
@@ -23,6 +23,10 @@ PATCH = Patch(
     torch=">=2.9,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/distributed_c10d.py",
     behaviour="init_process_group(_ranks=...)",
+    errors=(
+        Error(r"init_process_group\(\) got an unexpected keyword argument '_ranks'",
+              "TypeError: init_process_group() got an unexpected keyword argument '_ranks'"),
+    ),
 )
 
 

@@ -19,7 +19,7 @@ Upstream:      not fixed in torch: https://github.com/pytorch/pytorch/issues/769
 from types import ModuleType
 from typing import Any, Dict, Optional
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="processgroup-deepcopy",
@@ -27,6 +27,10 @@ PATCH = Patch(
     torch=">=1.13",
     upstream="https://github.com/pytorch/pytorch/issues/76927",
     behaviour="copy.deepcopy/copy.copy share ProcessGroup objects",
+    errors=(
+        Error(r"cannot pickle 'torch\._C\._distributed_c10d\.\w*ProcessGroup\w*' object",
+              "TypeError: cannot pickle 'torch._C._distributed_c10d.ProcessGroup' object"),
+    ),
 )
 
 

@@ -18,7 +18,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/187010 (``shapes_spec`` r
 from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="compile-shapes-spec",
@@ -26,6 +26,10 @@ PATCH = Patch(
     torch=">=2.14",
     upstream="https://github.com/pytorch/pytorch/pull/187010",
     behaviour="torch.compile takes shapes_spec= (torch 2.13) as dynamic_shapes=",
+    errors=(
+        Error(r"unexpected keyword argument 'shapes_spec'",
+              "TypeError: compile() got an unexpected keyword argument 'shapes_spec'"),
+    ),
 )
 
 

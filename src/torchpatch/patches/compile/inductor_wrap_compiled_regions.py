@@ -26,7 +26,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/167844 (HOP for Inductor 
 from types import ModuleType
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="inductor-wrap-compiled-regions",
@@ -34,6 +34,10 @@ PATCH = Patch(
     torch=">=2.0,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/167844",
     behaviour="torch.compile accepts the Inductor option wrap_inductor_compiled_regions (same values)",
+    errors=(
+        Error(r'Unexpected optimization option wrap_inductor_compiled_regions',
+              "RuntimeError: Unexpected optimization option wrap_inductor_compiled_regions, known options are ['TYPE_CHECKING', ..."),
+    ),
 )
 
 KEY = "wrap_inductor_compiled_regions"

@@ -25,7 +25,7 @@ import dataclasses
 from types import ModuleType
 from typing import Any
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="py311-dataclass-defaults",
@@ -34,6 +34,10 @@ PATCH = Patch(
     python=">=3.11",
     upstream="https://github.com/pytorch/pytorch/pull/91795",
     behaviour="ShardedTensorMetadata.tensor_properties uses default_factory (Python 3.11 dataclasses)",
+    errors=(
+        Error(r"mutable default <class 'torch\.distributed\._shard\.sharded_tensor\.metadata\.TensorProperties'> for field tensor_properties is not allowed",
+              "ValueError: mutable default <class 'torch.distributed._shard.sharded_tensor.metadata.TensorProperties'> for field tensor_properties is not allowed: use default_factory"),
+    ),
 )
 
 METADATA_MODULES = (

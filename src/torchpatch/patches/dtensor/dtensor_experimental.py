@@ -40,7 +40,7 @@ import contextlib
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="dtensor-experimental",
@@ -49,6 +49,10 @@ PATCH = Patch(
     torch=">=2.1,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/115297",
     behaviour="DTensor ops replicate plain tensors under implicit_replication() on torch 2.1",
+    errors=(
+        Error(r'got mixed torch\.Tensor and DTensor, need to convert all torch\.Tensor to DTensor',
+              "RuntimeError: aten.add.Tensor: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!"),
+    ),
 )
 
 PATCH.alias("torch.distributed.tensor.experimental", "torch.distributed._tensor.experimental")

@@ -40,7 +40,7 @@ import threading
 from types import ModuleType
 from typing import Any, Callable, Dict, Iterator, Optional, Set, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, dtensor_type
 
 PATCH = Patch(
@@ -50,6 +50,10 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/115297",
     requires=("dtensor-experimental",),  # torch 2.1 only: the dispatch change it builds on
     behaviour="DTensor ops replicate plain torch.Tensor arguments (checked against local shards)",
+    errors=(
+        Error(r'got mixed torch\.Tensor and DTensor, need to convert all torch\.Tensor to DTensor',
+              "RuntimeError: aten.add.Tensor: got mixed torch.Tensor and DTensor, need to convert all torch.Tensor to DTensor before calling distributed operators!"),
+    ),
 )
 
 _SHARD_MISTAKE = (

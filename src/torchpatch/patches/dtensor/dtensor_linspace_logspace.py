@@ -26,13 +26,17 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
-from torchpatch import Patch
+from torchpatch import Error, Patch
 
 PATCH = Patch(
     id="dtensor-linspace-logspace",
     summary="torch.distributed.tensor.linspace and logspace (DTensor factories of torch 2.14)",
     torch=">=2.4,<2.14",
     upstream="https://github.com/pytorch/pytorch/pull/187933",
+    errors=(
+        Error(r'Operator aten\.(?:linspace|logspace)\.\w+ does not have a sharding strategy registered',
+              "NotImplementedError: Operator aten.linspace.default does not have a sharding strategy registered."),
+    ),
 )
 
 

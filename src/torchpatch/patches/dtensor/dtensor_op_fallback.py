@@ -39,7 +39,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 from torchpatch.patches.dtensor._internals import DISPATCH_MODULES, dtensor_type, placement_types
 from torchpatch.patches.dtensor._internals import route_sharding_cache as _route_cache
 
@@ -50,6 +50,10 @@ PATCH = Patch(
     torch=">=2.4",
     upstream="https://github.com/pytorch/pytorch/pull/131108",
     behaviour="DTensor ops without a sharding strategy gather their inputs and run",
+    errors=(
+        Error(r'Operator (?!aten\.(?:linspace|logspace)\.)[\w.]+ does not have a sharding strategy registered',
+              "NotImplementedError: Operator tpmix.fused_attn.default does not have a sharding strategy registered."),
+    ),
 )
 
 _NO_STRATEGY = "does not have a sharding strategy registered"

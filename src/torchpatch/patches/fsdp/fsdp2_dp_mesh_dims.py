@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Callable, Dict, List, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-dp-mesh-dims",
@@ -55,6 +55,10 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py",
     behaviour="fully_shard(dp_mesh_dims=...)",
     requires=("fsdp-data-parallel-mesh-dims",),
+    errors=(
+        Error(r"unexpected keyword argument 'dp_mesh_dims'",
+              "TypeError: fully_shard() got an unexpected keyword argument 'dp_mesh_dims'"),
+    ),
 )
 
 # where torchtitan and torch's own modules take fully_shard from

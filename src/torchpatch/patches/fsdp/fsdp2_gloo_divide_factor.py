@@ -20,7 +20,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/149781 (gloo gained AVG, 
 import inspect
 from typing import Any, Callable, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-gloo-divide-factor",
@@ -28,6 +28,10 @@ PATCH = Patch(
     torch=">=2.8",
     upstream="https://github.com/pytorch/pytorch/pull/149781",
     behaviour="FSDPModule.set_gradient_divide_factor on gloo",
+    errors=(
+        Error(r'Cannot use ReduceOp\.PREMUL_SUM with Gloo',
+              "RuntimeError: Cannot use ReduceOp.PREMUL_SUM with Gloo"),
+    ),
 )
 MODULE = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
 

@@ -30,7 +30,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/133335 ("[FSDP2] Enable H
 
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-hsdp-tp",
@@ -39,6 +39,10 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/133335",
     requires=("fsdp2-2d-state-dict",),  # the state dict refusal's removal and the relabelling helpers
     behaviour="fully_shard over a 2-D (replicate, shard) mesh with tensor-parallel (DTensor) parameters",
+    errors=(
+        Error(r'Using TP with HSDP is not supported',
+              "NotImplementedError: Using TP with HSDP is not supported"),
+    ),
 )
 
 _REFUSAL = "Using TP with HSDP is not supported"

@@ -35,7 +35,7 @@ import itertools
 from types import ModuleType
 from typing import Any, Dict, List, Optional, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-spmd-types",
@@ -44,6 +44,10 @@ PATCH = Patch(
     torch=">=2.12,<2.14",
     upstream="https://github.com/pytorch/pytorch/pull/187394",
     behaviour="fully_shard(dp_mesh_dims=...) on spmd_types-annotated plain parameters",
+    errors=(
+        Error(r'When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh',
+              "ValueError: When dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh (e.g. via distribute_module). Got plain tensor for parameter 'weight'."),
+    ),
 )
 
 

@@ -21,7 +21,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/136912 (shape inference, 
 import inspect
 from typing import Any, Dict, List, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="pipeline-stage-inference",
@@ -29,6 +29,10 @@ PATCH = Patch(
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/136912",
     behaviour="PipelineStage(module, stage_index, num_stages, device, group=...)",
+    errors=(
+        Error(r"missing 1 required positional argument: 'input_args'",
+              "TypeError: PipelineStage.__init__() missing 1 required positional argument: 'input_args'"),
+    ),
 )
 
 _DEFERRED = "_torchpatch_deferred"  # stage attribute: what its construction still needs

@@ -27,7 +27,7 @@ import functools
 import inspect
 from typing import Any, Callable
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-backward-requires-autograd",
@@ -36,6 +36,11 @@ PATCH = Patch(
     torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/pull/167277",
     behaviour="PipelineScheduleMulti(..., backward_requires_autograd=True)",
+    errors=(
+        Error(r"unexpected keyword argument 'backward_requires_autograd'",
+              "TypeError: ScheduleInterleaved1F1B.__init__() got an unexpected keyword argument "
+              "'backward_requires_autograd'"),
+    ),
 )
 
 SCHEDULES = "torch.distributed.pipelining.schedules"

@@ -18,7 +18,7 @@ Upstream:      https://github.com/pytorch/pytorch/tree/v2.13.0/torch/distributed
 import inspect
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 from .pipelining_presplit_inputs import schedules_with_step
 
@@ -28,6 +28,10 @@ PATCH = Patch(
     torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.13.0/torch/distributed/pipelining/schedules.py",
     behaviour="PipelineSchedule.step(return_outputs=...)",
+    errors=(
+        Error(r"kwargs: \{.*'return_outputs': ",
+              "RuntimeError: [Stage 0] failed to run forward: args: ('Tensor(torch.Size([2, 6]), grad=False, dtype=torch.float64)',) kwargs: {'return_outputs': 'False'}"),
+    ),
 )
 
 

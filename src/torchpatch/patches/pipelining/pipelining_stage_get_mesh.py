@@ -24,7 +24,7 @@ import inspect
 from types import ModuleType
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="pipelining-stage-get-mesh",
@@ -33,6 +33,10 @@ PATCH = Patch(
     torch=">=2.4,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/stage.py",
     behaviour="PipelineStage(..., get_mesh=callback)",
+    errors=(
+        Error(r"unexpected keyword argument 'get_mesh'",
+              "TypeError: PipelineStage.__init__() got an unexpected keyword argument 'get_mesh'"),
+    ),
 )
 
 

@@ -21,7 +21,7 @@ import inspect
 from types import ModuleType
 from typing import Any, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 from .pipelining_presplit_inputs import schedules_with_step
 
@@ -31,6 +31,10 @@ PATCH = Patch(
     torch=">=2.4,<2.13",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/pipelining/schedules.py",
     behaviour="PipelineSchedule.step(loss_kwargs=...)",
+    errors=(
+        Error(r"unexpected keyword argument 'loss_kwargs'",
+              "TypeError: _forward_unimplemented() got an unexpected keyword argument 'loss_kwargs'"),
+    ),
 )
 
 _KEPT = "_torchpatch_loss_kwargs"  # on the schedule, during a step given loss_kwargs

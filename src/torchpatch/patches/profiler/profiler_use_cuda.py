@@ -25,7 +25,7 @@ import warnings
 from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="profiler-use-cuda",
@@ -33,6 +33,10 @@ PATCH = Patch(
     torch=">=2.14",
     upstream="https://github.com/pytorch/pytorch/pull/192543",
     behaviour="the profilers take use_cuda= (deprecated, removed in torch 2.14) with torch 2.13's meaning",
+    errors=(
+        Error(r"unexpected keyword argument 'use_cuda'",
+              "TypeError: profile.__init__() got an unexpected keyword argument 'use_cuda'"),
+    ),
 )
 
 _KINETO_WARNING = "`use_cuda` is deprecated, use `activities` argument instead"
