@@ -13,8 +13,8 @@ Torch:         2.9 added the action ``_ComputationType.OVERLAP_F_B`` (a forward 
                ``_wait_batch_p2p`` (wait for each work of a batched send/receive); 2.4's
                ``_ComputationType`` has only ``FORWARD`` and ``BACKWARD``, 2.5-2.8's no overlapped action.
 Fix:           serve ``_wait_batch_p2p`` as 2.9 has it (``work.wait()`` for each work of the list) and
-               ``OVERLAP_F_B`` as the member of a one-member enum (``str(OVERLAP_F_B) == "OVERLAP_F_B"``,
-               2.9's spelling), so modules importing it load. No schedule of this torch runs it: the
+               ``OVERLAP_F_B`` as the member of a one-member enum named as 2.15's (``_ComputationType``,
+               value ``"OVERLAP_F_B"``), so modules importing it load. No schedule of this torch runs it: the
                runtime that pipelining-zbv serves on 2.4 refuses any action list naming it (``invalid
                pipeline action``), and there is no ``register_custom_function`` before torch 2.10.
 Upstream:      https://github.com/pytorch/pytorch/blob/v2.15.0/torch/distributed/pipelining/schedules.py
@@ -36,18 +36,15 @@ PATCH = Patch(
 SCHEDULES = "torch.distributed.pipelining.schedules"
 
 
-class _OverlapComputationType(enum.Enum):
-    """torch 2.9's overlapped forward-backward action, alone: this torch's schedules have no such action."""
+class _ComputationType(enum.Enum):
+    """torch 2.15's overlapped forward-backward action, alone: this torch's schedules have no such action."""
 
-    OVERLAP_F_B = 11  # 2.9's value
-
-    def __str__(self) -> str:
-        return self.name
+    OVERLAP_F_B = "OVERLAP_F_B"  # 2.15's value
 
 
 @PATCH.symbol(SCHEDULES, "OVERLAP_F_B")
-def _overlap_f_b() -> _OverlapComputationType:
-    return _OverlapComputationType.OVERLAP_F_B
+def _overlap_f_b() -> _ComputationType:
+    return _ComputationType.OVERLAP_F_B
 
 
 def _wait_batch_p2p(work: Iterable[Any]) -> None:
