@@ -14,7 +14,7 @@ Fix:           serve the module with both functions, 2.15's signatures and files
                file per index of ``fqn_to_index_mapping``, with ``model.safetensors.index.json``. On
                every rank: rank ``r`` writes the files whose index ``% world_size == r`` (of
                ``process_group``, default the world), rank 0 the index of them all, then a barrier, as
-               2.15. ``num_threads`` is accepted and not used (one thread). Needs ``safetensors``.
+               2.15 (one process without a process group: every file, no index, as 2.15). ``num_threads`` is accepted and not used (one thread). Needs ``safetensors``.
 Upstream:      https://github.com/pytorch/pytorch/blob/v2.15.0/torch/distributed/checkpoint/_consolidate_hf_safetensors.py
 """
 
@@ -59,8 +59,7 @@ def consolidate_safetensors_files_on_every_rank(input_dir: str, output_dir: str,
     mine = {fqn: index for fqn, index in fqn_to_index_mapping.items() if index % world == rank}
     written = (consolidate_files(input_dir, output_dir, mine, max(fqn_to_index_mapping.values()))
                if mine else {})
-    if not distributed:
-        write_index(output_dir, written)
+    if not distributed:  # as 2.15: the index is written only by rank 0 of a process group
         return
     gathered: Optional[List[Dict[str, Tuple[str, int]]]] = [{} for _ in range(world)] if rank == 0 else None
     dst = dist.get_global_rank(process_group, 0) if process_group is not None else 0
