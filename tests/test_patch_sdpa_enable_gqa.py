@@ -45,5 +45,7 @@ def test_native_type_error():
 @through_patch_range("sdpa-enable-gqa", "torch's own enable_gqa from 2.5")
 def test_grouped_query_attention_as_repeated_heads():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
-    assert out == {"out_equal": True, "grads_close": True, "same_heads_equal": True,
-                   "error": "Number of heads in key and value must divide the number of heads in query"}, out
+    error = out.pop("error")
+    assert out == {"out_equal": True, "grads_close": True, "same_heads_equal": True}, out
+    # 2.15's text (2.9's ends "...heads in ")
+    assert error is not None and error.startswith("Number of heads in key and value must divide the number of heads in"), error
