@@ -1,12 +1,12 @@
-"""init-process-group-ranks: ``init_process_group(..., _ranks=...)`` on torch 2.9.
+"""init-process-group-ranks: ``init_process_group(..., _ranks=...)`` on torch 2.4-2.9.
 
-What breaks:   torchtitan 0.3.0 always passes torch 2.10's private argument (``_ranks=[]`` unless it is
-               told the default group's ranks), so on torch 2.9 nothing starts: ``TypeError:
+What breaks:   torchtitan 0.3.0 and 0.2.2 always pass torch 2.10's private argument (``_ranks=[]`` unless it is
+               told the default group's ranks), so on torch 2.4-2.9 nothing starts: ``TypeError:
                init_process_group() got an unexpected keyword argument '_ranks'``.
 Torch:         2.10 added ``_ranks``: empty or ``None`` changes nothing; a rank list names the default
                group by the hash of its ranks (``_process_group_name(_ranks, use_hashed_name=True)``)
-               instead of the first unhashed name. 2.9 computes the name the same way, from ``[]`` only.
-Fix:           wrap 2.9's ``init_process_group`` (``torch.distributed`` re-exports the same function):
+               instead of the first unhashed name. 2.4-2.9 compute the name the same way, from ``[]`` only.
+Fix:           wrap 2.4-2.9's ``init_process_group`` (``torch.distributed`` re-exports the same function):
                it takes ``_ranks``; given a rank list, the default group gets 2.15's hashed name.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/distributed_c10d.py
 """
@@ -18,9 +18,9 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="init-process-group-ranks",
-    summary="init_process_group(_ranks=...) on torch 2.9 (torch 2.10's private argument; torchtitan 0.3.0 "
-    "passes it)",
-    torch=">=2.9,<2.10",
+    summary="init_process_group(_ranks=...) on torch 2.4-2.9 (torch 2.10's private argument; torchtitan 0.3.0 "
+    "and 0.2.2 pass it)",
+    torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/distributed_c10d.py",
     behaviour="init_process_group(_ranks=...)",
 )
