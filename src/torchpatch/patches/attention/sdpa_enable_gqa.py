@@ -1,0 +1,60 @@
+"""sdpa-enable-gqa: ``F.scaled_dot_product_attention(..., enable_gqa=True)`` (grouped-query attention)
+on torch 2.4.
+
+What breaks:   attention written for torch 2.5+ passes ``enable_gqa`` (torchtitan 0.3.0's attention
+               modules; examples/torchtitan_cpu.py's CPU FlexAttention, which is SDPA with the block
+               mask made dense): on torch 2.4 ``TypeError: scaled_dot_product_attention() got an
+               unexpected keyword argument 'enable_gqa'``.
+Torch:         2.5 added the argument: with it, key and value may have fewer heads than query (a
+               divisor of them), each key/value head serving ``Hq / Hkv`` consecutive query heads, as
+               torch's math reference computes it (``repeat_interleave`` over the head dim); a head
+               count that does not divide raises.
+Fix:           wrap this torch's function: ``enable_gqa=False`` (the default) calls it unchanged;
+               ``enable_gqa=True`` repeats key and value heads as 2.15's reference does
+               (sdpa-backport's ``_repeat_kv_heads``, its ``RuntimeError`` for heads that do not
+               divide) and calls it with the repeated tensors, so every kernel choice stays this
+               torch's.
+Upstream:      https://github.com/pytorch/pytorch/pull/132689 (enable_gqa, torch 2.5)
+"""
+
+import inspect
+from types import ModuleType
+from typing import Any, Dict, Tuple
+
+from torchpatch import Patch, Patcher
+
+PATCH = Patch(
+    id="sdpa-enable-gqa",
+    summary="F.scaled_dot_product_attention(enable_gqa=...) on torch 2.4: key/value heads repeated over the "
+            "query heads (torch 2.15's reference), then this torch's kernel",
+    torch=">=2.4,<2.5",
+    upstream="https://github.com/pytorch/pytorch/pull/132689",
+    behaviour="F.scaled_dot_product_attention(enable_gqa=...)",
+)
+
+
+def _with_gqa(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+    if len(args) > 7:  # (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        args, kwargs = args[:7], dict(kwargs, enable_gqa=args[7])
+    if not kwargs.pop("enable_gqa", False):
+        return wrapped(*args, **kwargs)
+    from .sdpa_backport import _repeat_kv_heads
+
+    query, key, value = args[:3] if len(args) >= 3 else (args + (None,) * 3)[:3]
+    query = kwargs.pop("query", query)
+    key, value = _repeat_kv_heads(query, kwargs.pop("key", key), kwargs.pop("value", value))
+    return wrapped(query, key, value, *args[3:], **kwargs)
+
+
+@PATCH.on_import("torch.nn.functional")
+def accept_enable_gqa(patcher: Patcher, functional: ModuleType) -> bool:
+    sdpa = getattr(functional, "scaled_dot_product_attention", None)
+    if sdpa is None or "enable_gqa" in (getattr(sdpa, "__doc__", "") or ""):
+        return False
+    try:
+        if "enable_gqa" in inspect.signature(sdpa).parameters:
+            return False
+    except (TypeError, ValueError):  # a builtin without a signature
+        pass
+    patcher.wrap(functional, "scaled_dot_product_attention", _with_gqa)
+    return True
