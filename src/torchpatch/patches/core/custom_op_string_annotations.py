@@ -9,8 +9,8 @@ Torch:         2.4's ``infer_schema`` looks the annotation up as it is; 2.5 eval
                annotation (also inside a generic such as ``Optional['torch.Tensor']``) with the
                function's globals first.
 Fix:           before this torch's ``infer_schema`` reads the signature, each string annotation is
-               evaluated as 2.5 does (the function's globals; one that does not evaluate raises 2.5's
-               ``ValueError: ... Unsupported type annotation X. It is not a type.``); the schema is
+               evaluated as 2.5 does (the function's globals; one that does not evaluate raises 2.15's
+               ``ValueError: ... Unsupported type annotation X. It is not a type. (why) ...``); the schema is
                then this torch's, from the evaluated types. Functions without string annotations
                are passed through untouched.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.5.0/torch/_library/infer_schema.py
@@ -38,9 +38,14 @@ def _resolve(annotation: Any, scope: Dict[str, Any], sig: inspect.Signature) -> 
     if isinstance(annotation, str):
         try:
             return eval(annotation, scope), True  # noqa: S307 - what Python itself does for a string annotation
-        except Exception:
-            raise ValueError(f"infer_schema(func): Unsupported type annotation {annotation}. It is not a type. "
-                             f"Got func with signature {sig})") from None
+        except NameError as exc:
+            why = (f"({exc}). If you are using 'from __future__ import annotations', note that annotations are "
+                   "evaluated lazily as strings; make sure all types referenced in annotations are importable at "
+                   "module scope, not only inside a local function.")
+        except Exception as exc:
+            why = f"({type(exc).__name__}: {exc})"
+        raise ValueError(f"infer_schema(func): Unsupported type annotation {annotation}. It is not a type. {why} "
+                         f"Got func with signature {sig})")
     origin = typing.get_origin(annotation)
     if origin is None:
         return annotation, False
