@@ -1,5 +1,5 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
-(FSDP2 over a full SPMD mesh: FSDP, HSDP, TP), torch 2.9-2.11.
+(FSDP2 over a full SPMD mesh: FSDP, HSDP, TP), torch 2.4-2.11.
 
 What breaks:   torchtitan 0.3 (its default ``spmd_backend="spmd_types"``) shards with
                ``fully_shard(block, mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``
@@ -34,7 +34,10 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``; the
                ``full_tensor()`` of a parameter whose dim does not divide by dp x tp is
                dtensor-strided-shard-uneven's ``NotImplementedError`` (this torch gathers it out of order).
-               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
+               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's. On 2.4 (FSDP2 under
+               ``torch.distributed._composable.fsdp``) the same, with 2.4's own FSDP+TP labelling
+               (fsdp2-2d-state-dict: no ``_StridedShard``, so the ``copy_`` refusal above does not
+               apply); measured there: torchtitan 0.3.0's ``fsdp`` (docs/torchtitan.md).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
 
