@@ -64,8 +64,9 @@ CONSTRAINED_ABOVE = Version("2.14.1")
 # torchtitan release -> the torches whose sessions import and train it (tests/test_torchtitan.py): 0.1.0 on
 # 2.4 and 2.9 (where its patches apply) and 2.15 (the newest); 0.2.2 and 0.3.0 on 2.9 (where theirs apply) and
 # on 2.13 (fsdp2-spmd-types, fsdp2-gloo-divide-factor) in a session of their own, which trains them and
-# surveys their imports. An import survey costs 25-35 s a torch for 0.1.0's 33 modules, 75 s to 2.5 min for
-# 0.2.2's and 0.3.0's 270 (each imported twice), so it runs where it tells something (not in the 2.9.0
+# surveys their imports. An import survey (each module with TORCHPATCH=1, natively those that fail with it)
+# costs 20-30 s a torch for 0.1.0's 33 modules, 2.8 min beside the training runs for 0.2.2's and 0.3.0's 270,
+# so it runs where it tells something (not in the 2.9.0
 # session, which trains all three). Each is
 # installed without dependencies into a directory of its own under the venv cache (shared by the sessions:
 # pure Python); its light dependencies go into the session's venv. torchdata, spmd_types and

@@ -65,14 +65,16 @@ def _read(f: IO[str]) -> str:
 
 def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
            env: Optional[Mapping[str, str]] = None, timeout: float = 120.0, capture: bool = True,
-           python: str = sys.executable, popen: Callable[..., Any] = subprocess.Popen) -> List[RankResult]:
-    """Run ``python script *args`` as ``nproc`` ranks; return their results in rank order.
+           python: str = sys.executable, popen: Callable[..., Any] = subprocess.Popen,
+           cwd: Optional[str] = None, inherit: bool = True) -> List[RankResult]:
+    """Run ``python script *args`` as ``nproc`` ranks (in ``cwd``); return their results in rank order.
 
-    ``env`` is added to (and overrides) this process's environment. With ``capture`` the output of
+    ``env`` is added to (and overrides) this process's environment (with ``inherit=False``, it is
+    the whole environment, plus the ranks' variables). With ``capture`` the output of
     each rank is collected in its result, otherwise it goes to this process's stdout/stderr.
     ``popen`` starts each rank (``subprocess.Popen``'s signature; the tests pass a fork server's).
     """
-    base: Dict[str, str] = dict(os.environ)
+    base: Dict[str, str] = dict(os.environ) if inherit else {}
     base.setdefault("OMP_NUM_THREADS", "1")  # as torchrun does: N ranks share the cores
     base.update(env or {})
     base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(nproc),
@@ -90,7 +92,7 @@ def launch(script: str, nproc: int = 2, args: Sequence[str] = (),
                                  if capture else None)
                 procs.append(popen(
                     cmd, env=dict(base, RANK=str(rank), LOCAL_RANK=str(rank)),
-                    stdin=subprocess.DEVNULL, stdout=files[-2], stderr=files[-1]))
+                    stdin=subprocess.DEVNULL, stdout=files[-2], stderr=files[-1], cwd=cwd))
             deadline = time.monotonic() + timeout
             while None in [p.poll() for p in procs]:  # a list: poll every rank, each time
                 if any(p.returncode not in (None, 0) for p in procs):

@@ -43,6 +43,8 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
+import torch  # noqa: F401  (first of the non-standard modules: the tests fork ranks that have imported it)
+
 # --parallel -> (ranks, data-parallel ranks, the trainer's parallelism flags, activation checkpointing:
 # "none" or per-op selective "op"). The seed checkpoint is made on one process.
 PARALLEL: Dict[str, Tuple[int, int, List[str], str]] = {
@@ -290,7 +292,6 @@ def instrument(trainer, grad_scale: float) -> None:
     logged step, the loss and the gradients' total norm (``grad_norm``, taken where torchtitan clips;
     under pipeline parallelism ranks without the last stage hold loss -1, so the largest value over all
     ranks is the loss). ``grad_scale`` != 1 scales rank 1's gradient of the model output (a wrong gradient)."""
-    import torch
     import torch.distributed as dist
 
     utils = importlib.import_module("torchtitan.distributed.utils")

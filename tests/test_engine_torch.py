@@ -161,6 +161,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.plumbing  # torchrun's agent, spawned DataLoader workers and helpers: how processes start, not patches
 def test_one_summary_line_per_job(tmp_path):
     """torchrun (its agent imports torch too), 2 ranks, each with a spawn DataLoader worker and a
     spawned helper process: 7 processes activate torchpatch, rank 0 alone prints the line. At debug

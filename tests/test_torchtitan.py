@@ -18,17 +18,41 @@ checkpointing, ``TRAIN_FROM_SCRATCH``), 0.2.2 and 0.3.0 on 2.9 and on 2.13 (with
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
+import subprocess
 import sys
 from typing import Dict, List, Tuple
 
 import pytest
 
-from conftest import TORCH, REPO, matrix_python, torch_matches
+import forkserver
+from conftest import TORCH, REPO, launch, matrix_python, torch_matches
 
 sys.path.insert(0, str(REPO / "tools"))
 import torchtitan_table as table  # noqa: E402
+
+
+def forked(cmd: List[str], env: Dict[str, str], ranks: int, timeout: float, cwd: str) -> subprocess.CompletedProcess:
+    """The example's ranks forked from a warm interpreter (tests/forkserver.py) instead of torchrun's fresh
+    ones (``table.Launch``): the same environment and torchrun's variables (examples/launch.py), the ranks'
+    output joined; one process forked as ``python example args``. A run computes bitwise what it computes
+    under torchrun (losses, gradient norms, weights digest; 0.1.0's fsdp and fsdp+tp+sac on 2.9.0 checked);
+    it saves the ~5 s of CPU each rank spends importing torch and torch._dynamo. The release's torchtitan is
+    not imported before the fork: it imports pyarrow (through datasets), which starts threads at import,
+    and a process forked from one running threads is not a fresh one (the server refuses it)."""
+    if ranks == 1:
+        return forkserver.run(cmd, env=env, timeout=timeout, cwd=cwd)
+    done = launch(cmd[1], ranks, cmd[2:], env=env, timeout=timeout, python=cmd[0], popen=forkserver.popen,
+                  cwd=cwd, inherit=False)
+    if any(r.timed_out for r in done):
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    return subprocess.CompletedProcess(cmd, max(abs(r.returncode) for r in done), "".join(r.stdout or "" for r in done),
+                                       "".join(r.stderr or "" for r in done))
+
+
+run_example = functools.partial(table.run_example, launch=forked)
 
 RELEASES: Dict[str, str] = dict(
     item.split("=", 1) for item in os.environ.get("TORCHTITAN_TEST_RELEASES", "").split(",") if "=" in item
@@ -42,8 +66,10 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     # (fsdp2-tp-grad-placements: without it the first gradient norm is 0.14% above one process's), and
     # the TP of 2.4 (dtensor-public, tp-prepare-module-input-output). TP alone (clip_grad_norm_ of its
     # partial gradients, dtensor-inplace-placement-change, 2.2-2.12) is 0.2.2's `tp` on 2.9 in CI; 0.1.0's
-    # `tp` cells (2.4.1, 2.9.0) are the docs table's
-    ("0.1.0", ">=2.4,<2.5"): ("fsdp", "pp", "fsdp+tp+sac"),
+    # `tp` cells (2.4.1, 2.9.0) are the docs table's. 2.4.1's `fsdp` (and its DCP save + resume) is the docs
+    # table's too: 2.4.1's FSDP trains 8 steps and saves in the 2.15 session (DCP_FROM_OLDER), and
+    # fsdp+tp+sac here trains and resumes through the same FSDP2 patches
+    ("0.1.0", ">=2.4,<2.5"): ("pp", "fsdp+tp+sac"),
     # FSDP+TP+SAC on 4 ranks; PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
     ("0.1.0", "==2.9.*"): ("fsdp+tp+sac", "pp"),
     # 0.2.2 and 0.3.0 on 2.9: what they import (varlen, inductor-wrap-compiled-regions, spmd_types' layouts
@@ -129,7 +155,7 @@ def seeds(tmp_path_factory) -> Dict[str, str]:
     out = {}
     for release, path in RELEASES.items():
         seed = str(tmp_path_factory.mktemp(f"seed-{release}") / "seed")
-        error = table.run_example(sys.executable, path, ["--make-seed-checkpoint", seed], 1, True).error
+        error = run_example(sys.executable, path, ["--make-seed-checkpoint", seed], 1, True).error
         out[release] = error or seed
     return out
 
@@ -143,7 +169,7 @@ def _one_process(seeds: Dict[str, str], release: str) -> table.Run:
         pytest.skip(f"torchtitan {release} is not installed")
     assert os.path.isdir(seeds[release]), f"seed checkpoint: {seeds[release]}"
     if release not in _ONE_PROCESS:
-        _ONE_PROCESS[release] = table.run_example(sys.executable, RELEASES[release], [
+        _ONE_PROCESS[release] = run_example(sys.executable, RELEASES[release], [
             "--parallel", "single", "--steps", str(STEPS), "--seed-checkpoint", seeds[release]], 1, True)
     reference = _ONE_PROCESS[release]
     assert not reference.error and len(reference.losses) == STEPS, reference.error
@@ -168,7 +194,7 @@ def _trained(seeds: Dict[str, str], release: str, parallel: str,
         folder = str(folders.mktemp(f"ckpt-{release}-{parallel}") / "ckpt")  # torchtitan: not there yet
         if (release, parallel) in _resume_cases():
             args += ["--checkpoint-dir", folder, "--checkpoint-interval", "2"]
-        _TRAINED[(release, parallel)] = (table.run_example(sys.executable, RELEASES[release], args,
+        _TRAINED[(release, parallel)] = (run_example(sys.executable, RELEASES[release], args,
                                                            table.RANKS[parallel], True), folder)
     return _TRAINED[(release, parallel)]
 
@@ -192,14 +218,15 @@ def test_trains_like_one_process(seeds, release, parallel, tmp_path_factory):
         assert table.compare(run, newest) <= table.TOLERANCE, (run, newest)
 
 
-def test_sees_a_wrong_gradient(seeds):
+def test_sees_a_wrong_gradient(request):
     """FSDP with rank 1's gradient scaled by 1.01 (``--debug-grad-scale``): the comparison with one
     process fails (the gradient norms differ by about 0.5%; the losses of two steps by about 1e-6 only)."""
     release, spec = WRONG_GRADIENT_CELL
     if not torch_matches(spec):
         pytest.skip(f"CI shows it with torchtitan {release} on torch {spec}")
+    seeds = request.getfixturevalue("seeds")  # after the skip: where nothing trains, no seed checkpoint is made
     reference = _one_process(seeds, release)
-    run = table.run_example(sys.executable, RELEASES[release], [
+    run = run_example(sys.executable, RELEASES[release], [
         "--parallel", "fsdp", "--steps", "2", "--seed-checkpoint", seeds[release],
         "--debug-grad-scale", str(WRONG_GRADIENT)], 2, True)
     assert not run.error and len(run.losses) == 2 and run.weights == reference.weights, run
@@ -214,7 +241,7 @@ def test_trains_without_checkpoint(release, parallel):
     """No seed checkpoint, checkpointing off: the losses of the same run on torch 2.9.0 (recorded)."""
     if release not in RELEASES:
         pytest.skip(f"torchtitan {release} is not installed")
-    run = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(STEPS)],
+    run = run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(STEPS)],
                             table.RANKS[parallel], True)
     assert not run.error and len(run.losses) == STEPS, run.error
     reference = FROM_SCRATCH[(release, parallel)]
@@ -243,7 +270,7 @@ def test_dcp_save_and_resume(seeds, release, parallel, tmp_path, tmp_path_factor
     assert not whole.error and len(whole.losses) == STEPS, whole.error
     folder = tmp_path / "ckpt"  # a copy of step 2 alone: the resumed run saves its last step into it
     shutil.copytree(os.path.join(saved, "step-2"), folder / "step-2")
-    rest = table.run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(DCP_STEPS),
+    rest = run_example(sys.executable, RELEASES[release], ["--parallel", parallel, "--steps", str(DCP_STEPS),
                                                                  "--checkpoint-dir", str(folder), "--load-step", "2"],
                              table.RANKS[parallel], True)
     assert not rest.error and len(rest.losses) == DCP_STEPS - 2, rest.error
@@ -260,9 +287,9 @@ def test_dcp_resumes_what_an_older_torch_saved(release, older, tmp_path):
     if release not in RELEASES or not python.exists():
         pytest.skip(f"torchtitan {release} or the torch {older} venv ({python}) is missing")
     seed = str(tmp_path / "seed")
-    error = table.run_example(str(python), RELEASES[release], ["--make-seed-checkpoint", seed], 1, True).error
+    error = run_example(str(python), RELEASES[release], ["--make-seed-checkpoint", seed], 1, True).error
     assert not error, error
     outcome = table.dcp_from_older({older: str(python), TORCH: sys.executable}, RELEASES[release], seed, tmp_path,
-                                   STEPS, {TORCH: NEWEST_NATIVE[release]})[TORCH]
+                                   STEPS, {TORCH: NEWEST_NATIVE[release]}, launch=forked)[TORCH]
     assert not outcome["error"] and outcome["same_weights"], outcome
     assert len(outcome["losses"]) == STEPS and outcome["vs_uninterrupted"] <= table.TOLERANCE, outcome

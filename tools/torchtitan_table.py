@@ -40,7 +40,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from packaging.version import Version
 
@@ -52,6 +52,9 @@ PARALLELS = ("fsdp", "tp", "pp", "fsdp+tp+sac", "pp+fsdp+tp", "hsdp+tp")
 RANKS = {"single": 1, "fsdp": 2, "tp": 2, "pp": 2, "fsdp+tp+sac": 4, "pp+fsdp+tp": 8, "hsdp+tp": 8}
 OLDER_COLUMN = "DCP older to newer"  # the header of dcp_from_older's column (written alone by write_columns)
 TOLERANCE = 1e-5  # relative, per step (the issue's bar): float32 sums in another order, another parallelism or torch
+# (command, environment, ranks, timeout, working directory) -> the ranks' exit status and output, joined;
+# raises subprocess.TimeoutExpired. What starts the ranks in place of torchrun (the tests fork them).
+Launch = Callable[[List[str], Dict[str, str], int, float, str], subprocess.CompletedProcess]
 
 
 @dataclass(frozen=True)
@@ -71,19 +74,27 @@ def _port() -> int:
 
 
 def run_example(python: str, release_dir: str, args: Sequence[str], ranks: int, torchpatch: bool,
-                timeout: float = 600) -> Run:
-    """Run the example under torchrun (or plain python for one process)."""
+                timeout: float = 600, launch: Optional[Launch] = None) -> Run:
+    """Run the example under torchrun (or plain python for one process), or with ``launch``: ``ranks``
+    processes of ``python example args`` in the same environment, each with torchrun's RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR and MASTER_PORT (tests/test_torchtitan.py forks them from a warm interpreter)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHPATCH", "PYTEST_"))
            and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     # the release first; a PYTHONPATH already set (a torchpatch build shadowing the venv's) stays after it
     env.update(PYTHONPATH=os.pathsep.join(p for p in (release_dir, env.get("PYTHONPATH")) if p), OMP_NUM_THREADS="1")
+    # torch 2.4 starts inductor's compile-worker pool (a process that imports torch, per rank) when torchtitan
+    # imports inductor; the example compiles nothing (a pool would start when it did: the same results)
+    env.setdefault("TORCH_WARM_POOL", "0")
     if torchpatch:
         env["TORCHPATCH"] = "1"
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--master_addr=127.0.0.1",
                 f"--master_port={_port()}"] if ranks > 1 else []
     try:
-        proc = subprocess.run([python, *launcher, str(EXAMPLE), *args], env=env, capture_output=True,
-                              text=True, timeout=timeout, cwd=tempfile.gettempdir())
+        if launch is not None:
+            proc = launch([python, str(EXAMPLE), *args], env, ranks, timeout, tempfile.gettempdir())
+        else:
+            proc = subprocess.run([python, *launcher, str(EXAMPLE), *args], env=env, capture_output=True,
+                                  text=True, timeout=timeout, cwd=tempfile.gettempdir())
     except subprocess.TimeoutExpired:
         return Run([], [], "", f"timed out after {timeout:.0f} s")
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"')]
@@ -142,26 +153,29 @@ def dcp_resume(python: str, release_dir: str, folder: str, steps: int, torchpatc
 
 
 def dcp_from_older(torches: Dict[str, str], release_dir: str, seed: str, work: Path, steps: int,
-                   uninterrupted: Dict[str, Run]) -> Dict[str, dict]:
+                   uninterrupted: Dict[str, Run], launch: Optional[Launch] = None) -> Dict[str, dict]:
     """DCP from an older torch to the newer ones: the oldest torch (the seed checkpoint's maker) trains
     FSDP from the seed checkpoint for ``steps`` steps saving at step 2, and every newer torch resumes from
     that step-2 checkpoint; its steps 3.. must repeat its own uninterrupted FSDP run from the seed
     checkpoint (``uninterrupted``, run here where missing), after the saving run started from bitwise
-    its weights. All with TORCHPATCH=1. torch -> the JSON-able outcome."""
+    its weights. All with TORCHPATCH=1 (ranks started by ``launch`` where given, see :func:`run_example`).
+    torch -> the JSON-able outcome."""
     (oldest, saver), *newer = torches.items()
     fsdp = ["--parallel", "fsdp", "--steps", str(steps)]
     saved = work / f"ckpt-{oldest}-seeded"
     save = run_example(saver, release_dir, [*fsdp, "--seed-checkpoint", seed, "--checkpoint-dir", str(saved),
-                                            "--checkpoint-interval", "2"], 2, True)
+                                            "--checkpoint-interval", "2"], 2, True, launch=launch)
     outcome = {oldest: {"saves": True, "error": save.error}}
     for torch, python in newer:
         if save.error:
             outcome[torch] = {"saved_by": oldest, "error": f"no checkpoint: the save on {oldest} failed", "losses": []}
             continue
-        own = uninterrupted.get(torch) or run_example(python, release_dir, [*fsdp, "--seed-checkpoint", seed], 2, True)
+        own = uninterrupted.get(torch) or run_example(python, release_dir, [*fsdp, "--seed-checkpoint", seed], 2, True,
+                                                        launch=launch)
         folder = work / f"ckpt-{oldest}-on-{torch}"  # a copy of step 2 alone: this run saves into it
         shutil.copytree(saved / "step-2", folder / "step-2")
-        rest = run_example(python, release_dir, [*fsdp, "--checkpoint-dir", str(folder), "--load-step", "2"], 2, True)
+        rest = run_example(python, release_dir, [*fsdp, "--checkpoint-dir", str(folder), "--load-step", "2"], 2, True,
+                           launch=launch)
         outcome[torch] = {"saved_by": oldest, "error": rest.error, "losses": save.losses[:2] + rest.losses,
                           "same_weights": save.weights == own.weights, "vs_uninterrupted": compare(rest, own, 2)}
     return outcome
