@@ -1,6 +1,6 @@
-"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.4 and 2.9-2.13 (on 2.4, whose
-``_set_pg_timeout`` does not reach gloo's collectives, served with torch 2.14's warning for a backend that
-keeps its timeout; the lone all_reduce below is not run there: it would wait the 60 s). 2 gloo ranks made
+"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.9-2.13; set-timeout-gloo-24 on
+2.4, whose ``_set_pg_timeout`` does not reach gloo's collectives (served with torch 2.14's warning for a
+backend that keeps its timeout; the lone all_reduce below is not run there: it would wait the 60 s). 2 gloo ranks made
 with a 60 s timeout; the script shortens it to 2 s on the default group and on a subgroup, then rank 0
 enters an all_reduce that rank 1 never joins (rank 1 waits on the store until rank 0 is done). Natively
 before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and the lone all_reduce
@@ -64,10 +64,10 @@ def test_native_has_no_set_timeout(tmp_path):
     assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
 
 
-@only_torch(">=2.4,<2.5", "2.4's _set_pg_timeout does not reach gloo's collectives")
+@where_patch_applies("set-timeout-gloo-24", "2.4's _set_pg_timeout does not reach gloo's collectives")
 def test_served_with_a_warning_where_gloo_keeps_its_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
-    assert out["status"] == "applied" and out["served_as"].endswith("set_timeout._set_timeout_24"), out
+    assert out["served_as"] == "torch.distributed.distributed_c10d.set_timeout", out
     assert out["c10d_same"] is True and len(out["warnings"]) == 2, out
     assert all("gloo backend keeps the timeout" in w for w in out["warnings"]), out
 
@@ -79,7 +79,7 @@ def check_timeouts(out):
         assert 1.5 <= out[name]["seconds"] < 30, out  # the new 2 s, not the 60 s the groups were made with
 
 
-@only_torch(">=2.9,<2.14", "where _set_pg_timeout reaches gloo")
+@where_patch_applies("set-timeout")
 def test_served_set_timeout_shortens_the_groups_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
     assert out["status"] == "applied" and out["served_as"] == "torch.distributed.distributed_c10d._set_pg_timeout", out

@@ -1,5 +1,5 @@
 """set-timeout: ``torch.distributed.set_timeout(timeout, group=None)`` (and
-``torch.distributed.distributed_c10d.set_timeout``) on torch 2.4 and 2.9-2.13.
+``torch.distributed.distributed_c10d.set_timeout``) on torch 2.9-2.13.
 
 What breaks:   torchtitan 0.3 (September 2026) shortens every process group's timeout after its
                first training step with ``torch.distributed.set_timeout(timeout, group)``; on torch
@@ -10,16 +10,14 @@ Torch:         2.9-2.13 have the same operation as the private ``distributed_c10
                2.14 made it public as ``set_timeout``, which forwards to every backend of the group,
                and deprecated the private name. torch 2.4 has ``_set_pg_timeout`` too, but a gloo
                group's collectives do not use the timeout it sets (measured: a lone all_reduce still
-               waits the 60 s the group was made with, not the 2 s set); 2.5-2.8 are untested and
-               left alone.
+               waits the 60 s the group was made with, not the 2 s set), so nothing is served there;
+               2.5-2.8 are untested and left alone.
 Fix:           serve ``torch.distributed.set_timeout`` and ``torch.distributed.distributed_c10d.set_timeout``
                (where 2.14 defines it) as this torch's ``_set_pg_timeout`` (the very function, resolved
                on first access). For gloo and NCCL groups it does what 2.14's does;
                other backends (MPI, UCC) keep their timeout, which 2.14 also leaves unchanged (with a
-               warning). On 2.4, where a gloo backend cannot change its timeout either, the group's
-               gloo backend keeps its timeout with 2.14's treatment of such a backend: a warning naming
-               it (``_set_pg_timeout`` still sets an NCCL backend's). Served through the modules'
-               ``__getattr__``, which these versions do not define themselves.
+               warning). Served through the modules' ``__getattr__``, which these versions do not define
+               themselves.
 Upstream:      torch 2.14 (``torch.distributed.set_timeout``; ``_set_pg_timeout`` deprecated), see
                https://github.com/pytorch/pytorch/tree/v2.14.1/torch/distributed/distributed_c10d.py
 """
@@ -30,35 +28,16 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="set-timeout",
-    summary="torch.distributed.set_timeout(timeout, group) on torch 2.4 and 2.9-2.13 (their _set_pg_timeout; "
-            "2.4's gloo keeps its timeout, with a warning)",
-    torch=">=2.4,<2.14,!=2.5.*,!=2.6.*,!=2.7.*,!=2.8.*",
+    summary="torch.distributed.set_timeout(timeout, group) on torch 2.9-2.13 (their _set_pg_timeout)",
+    torch=">=2.9,<2.14",
     upstream="https://github.com/pytorch/pytorch/tree/v2.14.1/torch/distributed/distributed_c10d.py",
 )
 
 
 def set_timeout() -> Any:
-    import torch
     from torch.distributed import distributed_c10d
 
-    if torch.__version__ >= "2.9":
-        return distributed_c10d._set_pg_timeout
-    return _set_timeout_24
-
-
-def _set_timeout_24(timeout: Any, group: Any = None) -> None:
-    """2.14's ``set_timeout`` on 2.4: this torch's ``_set_pg_timeout``; its gloo backend keeps the timeout the
-    group was made with, which 2.14 warns of for a backend that cannot change it."""
-    import warnings
-
-    import torch
-    from torch.distributed import distributed_c10d as c10d
-
-    c10d._set_pg_timeout(timeout, group)
-    group = c10d._get_default_group() if group is None else group
-    if torch.device("cpu") in group._device_types and c10d.is_gloo_available():
-        warnings.warn(f"set_timeout: torch {torch.__version__}'s gloo backend keeps the timeout its process group "
-                      "was created with (its collectives do not read a changed timeout)", stacklevel=2)
+    return distributed_c10d._set_pg_timeout
 
 
 for _module in ("torch.distributed.distributed_c10d", "torch.distributed"):
