@@ -10,12 +10,13 @@ the flattened ``data["batch", "tp"]`` share the world mesh as root, those meshes
 FSDP over ``dense["fsdp"]`` of a model tensor-parallel over ``data["tp"]`` (FSDP's same-parent check)
 gives the gradients of the same model on one process. With TORCHPATCH=1 on torch 2.9 everything must
 equal what the same ranks report on torch 2.15 natively (run in its venv by the same test); natively 2.9
-has no ``_unflatten``.
+has no ``_unflatten``. On 2.4 each unflattened mesh is a root of its own: the roots differ from 2.15's and
+FSDP over one unflattening with TP over another is 2.4's own ``AssertionError`` (the rest as on 2.15).
 """
 
 from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, newest_torch_ranks_result, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies
+    through_patch_range, torch_matches, where_patch_applies
 )
 
 RANKS = """
@@ -45,6 +46,8 @@ def root(mesh):
     if hasattr(mesh, "_get_root_mesh"):
         return mesh._get_root_mesh()
     from torch.distributed.device_mesh import _mesh_resources
+    if not hasattr(_mesh_resources, "get_root_mesh"):  # torch 2.4
+        return _mesh_resources.get_parent_mesh(mesh) or mesh
     return _mesh_resources.get_root_mesh(mesh)
 
 def fsdp_tp(dp_mesh, tp_mesh):
@@ -104,9 +107,17 @@ def test_native_has_no_unflatten(tmp_path):
 def test_unflatten_as_the_newest_torch(tmp_path):
     here = run(tmp_path, TORCHPATCH="1")
     newest = newest_torch_ranks_result(RANKS, nproc=4, tmp_path=tmp_path)
+    separate_roots = torch_matches("<2.5")  # 2.4: each unflattened mesh is a root of its own
     for mine, theirs in zip(here, newest):
         assert mine.pop("status") == ("applied" if patch_applies_here("device-mesh-unflatten") else None)
         theirs.pop("status")
+        if separate_roots:
+            roots, fsdp_tp = mine.pop("roots"), mine.pop("fsdp_tp")
+            theirs.pop("roots"), theirs.pop("fsdp_tp")
+            assert roots == {"tp": False, "fsdp": False, "batch_tp": False}, roots
+            # FSDP over one unflattening with TP over another: 2.4's own refusal, loud
+            assert fsdp_tp.startswith("AssertionError: FSDP requires the DP and TP mesh to have the same parent"), fsdp_tp
         assert mine == theirs
-    assert here[0]["roots"] == {"tp": True, "fsdp": True, "batch_tp": True}
-    assert all(rank["fsdp_tp"] is True for rank in here), [rank["fsdp_tp"] for rank in here]
+    if not separate_roots:
+        assert here[0]["roots"] == {"tp": True, "fsdp": True, "batch_tp": True}
+        assert all(rank["fsdp_tp"] is True for rank in here), [rank["fsdp_tp"] for rank in here]

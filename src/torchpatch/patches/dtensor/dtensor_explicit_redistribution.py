@@ -92,6 +92,7 @@ def _observing(redistribute_local_args: Callable[..., None]) -> Callable[..., No
             _observe_args(op_info, suggested_input_schema)
         return redistribute_local_args(op_info, suggested_input_schema, *args, **kwargs)
 
+    observed.__torchpatch_observed__ = True  # type: ignore[attr-defined]
     return observed
 
 
@@ -112,10 +113,15 @@ def _observe_args(op_info: Any, suggested_input_schema: Any) -> None:
                 spec, target, f"Implicit redistribution occurred for {subject} while ExplicitRedistributionContext was active")
 
 
-@PATCH.on_import("torch.distributed.tensor._dispatch")
 def observe_in_dispatch(patcher: Patcher, dispatch: ModuleType) -> Optional[bool]:
     owner = dispatch.OpDispatcher
-    if not isinstance(vars(owner).get("redistribute_local_args"), staticmethod):
-        return False
+    current = vars(owner).get("redistribute_local_args")
+    if not isinstance(current, staticmethod) or getattr(current.__func__, "__torchpatch_observed__", False):
+        return False  # not this dispatcher, or observed already (2.4: one module under two names)
     patcher.setattr(owner, "redistribute_local_args", staticmethod(_observing(owner.redistribute_local_args)))
     return True
+
+
+# torch 2.4's dispatcher is torch.distributed._tensor._dispatch (the other name is relocations' alias of it)
+for _dispatch in ("torch.distributed.tensor._dispatch", "torch.distributed._tensor._dispatch"):
+    PATCH.on_import(_dispatch)(observe_in_dispatch)
