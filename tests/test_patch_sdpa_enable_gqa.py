@@ -1,51 +1,78 @@
-"""sdpa-enable-gqa: ``F.scaled_dot_product_attention(..., enable_gqa=...)`` on torch 2.4 (2.3-2.4 lack the
-keyword). One script, served where the patch applies and torch's own from 2.5: with 4 query heads and 2
-key/value heads the output is bit-equal to attention over ``repeat_interleave``d keys and values computed
-in the same run (torch 2.15's native GQA is that too) and the gradients equal within 1e-6; ``enable_gqa``
-with equal heads, and ``enable_gqa=False``, are bit-equal to the call without it; 3 key/value heads raise
-torch 2.15's ``RuntimeError``. Natively on 2.4 the keyword is a ``TypeError``."""
+"""sdpa-enable-gqa: ``F.scaled_dot_product_attention(..., enable_gqa=...)`` on torch 2.3-2.4.
 
-from conftest import clean_env, run_json, run_py, through_patch_range, where_patch_applies
+Natively 2.4 raises ``TypeError: ... unexpected keyword argument 'enable_gqa'``. With the patch, grouped
+query attention (8 query heads over 2 key/value heads, a boolean mask, causal, a scale) and its
+gradients equal (within 1e-6: torch's own GQA adds the key/value gradients' group sums in another order)
+this torch's own SDPA of key/value heads repeated as torch 2.15's reference does, and
+torch 2.15's native output (run in its venv by the same test, same inputs) within float rounding;
+``enable_gqa`` with equal heads, ``enable_gqa=False`` and ``enable_gqa`` given by position are
+bit-equal to the call without it (or with repeated heads); heads that do not divide raise 2.15's
+``RuntimeError``. Through the patch's range and torch's own ``enable_gqa`` from 2.5 the same script
+holds.
+"""
 
-SCRIPT = """
+from conftest import clean_env, run_json, run_newest_torch_json, run_py, through_patch_range, where_patch_applies
+
+SCRIPT = '''
 import json, torch, torch.nn.functional as F
 torch.manual_seed(0)
-q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 8)
+q = torch.randn(2, 8, 6, 4, requires_grad=True)
+k, v = torch.randn(2, 2, 6, 4, requires_grad=True), torch.randn(2, 2, 6, 4, requires_grad=True)
+mask = torch.rand(6, 6) > 0.3
+mask.fill_diagonal_(True)
+out = {}
+for name, kw in {"mask": {"attn_mask": mask}, "causal": {"is_causal": True, "scale": 0.3}}.items():
+    y = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+    grads = torch.autograd.grad(y.sum(), (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(4, -3), v.repeat_interleave(4, -3), **kw)
+    ref_grads = torch.autograd.grad(ref.sum(), (q, k, v))
+    out[name] = {"y": y.tolist(), "grads": [g.tolist() for g in grads],
+                 "own": max((a - b).abs().max().item() for a, b in zip([y] + list(grads), [ref] + list(ref_grads)))}
 
-def attend(q, k, v, repeat=False, **kw):
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    kk, vv = (t.repeat_interleave(2, -3) for t in (k, v)) if repeat else (k, v)
-    out = F.scaled_dot_product_attention(q, kk, vv, is_causal=True, **kw)
-    out.sum().backward()
-    return out.detach(), [t.grad for t in (q, k, v)]
+def attend(*args, **kw):
+    y = F.scaled_dot_product_attention(*args, **kw)
+    return [y] + list(torch.autograd.grad(y.sum(), (q,)))
 
-gqa, reference = attend(q, k, v, enable_gqa=True), attend(q, k, v, repeat=True)
-same_heads = [attend(q, q, q, **kw) for kw in ({}, {"enable_gqa": True}, {"enable_gqa": False})]
+plain = attend(q, q, q, is_causal=True)
+same_heads = [attend(q, q, q, is_causal=True, **kw) for kw in ({"enable_gqa": True}, {"enable_gqa": False})]
+out["same_heads_equal"] = all(torch.equal(a, b) for o in same_heads for a, b in zip(o, plain))
+positional = attend(q, k, v, None, 0.0, True, None, True)
+by_name = attend(q, k, v, is_causal=True, enable_gqa=True)
+out["positional_equal"] = all(torch.equal(a, b) for a, b in zip(positional, by_name))
 try:
-    F.scaled_dot_product_attention(q, torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8), enable_gqa=True)
-    error = None
+    F.scaled_dot_product_attention(q, torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4), enable_gqa=True)
+    out["error"] = ""
 except RuntimeError as exc:
-    error = str(exc)
-print(json.dumps({
-    "out_equal": torch.equal(gqa[0], reference[0]),
-    "grads_close": all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(gqa[1], reference[1])),
-    "same_heads_equal": all(torch.equal(o[0], same_heads[0][0]) and all(torch.equal(a, b) for a, b in zip(o[1], same_heads[0][1]))
-                            for o in same_heads[1:]),
-    "error": error}))
-"""
+    out["error"] = str(exc)
+print(json.dumps(out))
+'''
+# torch 2.15's text (2.9's ends "...heads in ")
+ERROR = "Number of heads in key and value must divide the number of heads in"
 
 
 @where_patch_applies("sdpa-enable-gqa", "torch 2.5 added enable_gqa")
 def test_native_type_error():
-    proc = run_py("import torch, torch.nn.functional as F\nq = torch.randn(1, 2, 3, 4)\n"
-                  "F.scaled_dot_product_attention(q, q, q, enable_gqa=False)\n")
+    proc = run_py(SCRIPT)
     assert "unexpected keyword argument 'enable_gqa'" in proc.stderr, proc.stderr[-2000:]
+
+
+def _close(a, b) -> bool:
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    return abs(a - b) <= 1e-5
 
 
 @through_patch_range("sdpa-enable-gqa", "torch's own enable_gqa from 2.5")
 def test_grouped_query_attention_as_repeated_heads():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
-    error = out.pop("error")
-    assert out == {"out_equal": True, "grads_close": True, "same_heads_equal": True}, out
-    # 2.15's text (2.9's ends "...heads in ")
-    assert error is not None and error.startswith("Number of heads in key and value must divide the number of heads in"), error
+    assert out["error"].startswith(ERROR), out["error"]
+    assert out["mask"]["own"] <= 1e-6 and out["causal"]["own"] <= 1e-6, (out["mask"]["own"], out["causal"]["own"])
+    assert out["same_heads_equal"] and out["positional_equal"], out
+
+
+@where_patch_applies("sdpa-enable-gqa")
+def test_gqa_as_on_the_newest_torch():
+    out, newest = run_json(SCRIPT, env=clean_env(TORCHPATCH="1")), run_newest_torch_json(SCRIPT)
+    assert out["error"].startswith(ERROR) and newest["error"].startswith(ERROR), (out["error"], newest["error"])
+    for name in ("mask", "causal"):
+        assert _close(out[name]["y"], newest[name]["y"]) and _close(out[name]["grads"], newest[name]["grads"]), name

@@ -1,11 +1,11 @@
 """fsdp-data-parallel-mesh-dims: ``torch.distributed.fsdp.DataParallelMeshDims`` (the value class) on
-torch 2.9-2.11.
+torch 2.4-2.11.
 
 What breaks:   torchtitan 0.3.0 imports it at module level in the FSDP module every model's
                ``parallelize`` imports, so on torch 2.11 and older nothing trains, FSDP or not:
                ``ImportError: cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'``.
 Torch:         2.12 added the dataclass (which dimensions of a full SPMD mesh FSDP shards and replicates
-               over) with ``fully_shard``'s ``dp_mesh_dims`` argument; 2.9-2.11 have neither.
+               over) with ``fully_shard``'s ``dp_mesh_dims`` argument; 2.4-2.11 have neither.
 Fix:           serve the class with 2.15's fields, validation (``ValueError`` when neither ``shard`` nor
                ``replicate`` is set) and ``shard_names``/``replicate_names``. Only the class:
                ``fully_shard(dp_mesh_dims=...)`` is fsdp2-dp-mesh-dims' (FSDP/HSDP, with TP too; the
@@ -22,7 +22,7 @@ PATCH = Patch(
     id="fsdp-data-parallel-mesh-dims",
     summary="torch.distributed.fsdp.DataParallelMeshDims, the value class (fully_shard's dp_mesh_dims: "
     "fsdp2-dp-mesh-dims)",
-    torch=">=2.9,<2.12",
+    torch=">=2.4,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fsdp_api.py",
 )
 
