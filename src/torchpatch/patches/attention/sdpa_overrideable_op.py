@@ -20,7 +20,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/131756 (the overrideable 
 from types import ModuleType
 from typing import Any, NoReturn
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="sdpa-overrideable-op",
@@ -28,6 +28,11 @@ PATCH = Patch(
     "backends; its kernel raises, as torch's own) on torch 2.4",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/131756",
+    errors=(
+        Error(r"'_OpNamespace' 'aten' object has no attribute '_scaled_dot_product_fused_attention_overrideable'",
+              "AttributeError: '_OpNamespace' 'aten' object has no attribute "
+              "'_scaled_dot_product_fused_attention_overrideable'"),
+    ),
 )
 
 NAME = "_scaled_dot_product_fused_attention_overrideable"

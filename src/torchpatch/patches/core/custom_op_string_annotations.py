@@ -21,7 +21,7 @@ import typing
 from types import GenericAlias, ModuleType
 from typing import Any, Callable, Dict, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="custom-op-string-annotations",
@@ -30,6 +30,11 @@ PATCH = Patch(
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/tree/v2.5.0/torch/_library/infer_schema.py",
     behaviour="infer_schema(func) of string annotations",
+    errors=(  # a string annotation prints bare; a real unsupported type as <class ...> or typing.X
+        Error(r"infer_schema\(func\): (Parameter \w+|Return) has unsupported type (?!<class )(?!typing\.)",
+              "ValueError: infer_schema(func): Parameter x has unsupported type torch.Tensor. The valid types "
+              "are: ..."),
+    ),
 )
 
 

@@ -21,7 +21,7 @@ import functools
 from types import ModuleType
 from typing import Any, Callable
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-grouped-modules",
@@ -30,6 +30,10 @@ PATCH = Patch(
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/127786",
     behaviour="fully_shard(list of modules)",
+    errors=(  # 2.4's composable contract reads the module's __dict__
+        Error(r"'(list|tuple)' object has no attribute '__dict__'",
+              "AttributeError: 'list' object has no attribute '__dict__'"),
+    ),
 )
 HOMES = ("torch.distributed._composable.fsdp.fully_shard", "torch.distributed._composable.fsdp",
          "torch.distributed.fsdp")
