@@ -18,8 +18,8 @@ and the same three errors, equal to torch 2.15's native report.
 """
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, newest_torch_ranks_result, patch_applies_here, ranks_result,
-    run_json, run_newest_torch_json, through_patch_range, torch_matches, where_patch_applies
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, newest_torch_ranks_result, patch_applies_here,
+    ranks_result, run_json, run_newest_torch_json, through_patch_range, torch_matches, where_patch_applies
 )
 
 RANKS = """
