@@ -5,8 +5,8 @@ query attention (8 query heads over 2 key/value heads, a boolean mask, causal, a
 gradients equal (within 1e-6: torch's own GQA adds the key/value gradients' group sums in another order)
 this torch's own SDPA of key/value heads repeated as torch 2.15's reference does, and
 torch 2.15's native output (run in its venv by the same test, same inputs) within float rounding;
-``enable_gqa`` with equal heads, ``enable_gqa=False`` and ``enable_gqa`` given by position are
-bit-equal to the call without it (or with repeated heads); heads that do not divide raise 2.15's
+``enable_gqa`` with equal heads and ``enable_gqa=False`` are bit-equal to the call without it, and query,
+key and value given by name to those given by position; heads that do not divide raise 2.15's
 ``RuntimeError``. Through the patch's range and torch's own ``enable_gqa`` from 2.5 the same script
 holds.
 """
@@ -36,9 +36,9 @@ def attend(*args, **kw):
 plain = attend(q, q, q, is_causal=True)
 same_heads = [attend(q, q, q, is_causal=True, **kw) for kw in ({"enable_gqa": True}, {"enable_gqa": False})]
 out["same_heads_equal"] = all(torch.equal(a, b) for o in same_heads for a, b in zip(o, plain))
-positional = attend(q, k, v, None, 0.0, True, None, True)
-by_name = attend(q, k, v, is_causal=True, enable_gqa=True)
-out["positional_equal"] = all(torch.equal(a, b) for a, b in zip(positional, by_name))
+by_keyword = attend(query=q, key=k, value=v, is_causal=True, enable_gqa=True)
+by_position = attend(q, k, v, is_causal=True, enable_gqa=True)
+out["by_keyword_equal"] = all(torch.equal(a, b) for a, b in zip(by_keyword, by_position))
 try:
     F.scaled_dot_product_attention(q, torch.randn(2, 3, 6, 4), torch.randn(2, 3, 6, 4), enable_gqa=True)
     out["error"] = ""
@@ -67,7 +67,7 @@ def test_grouped_query_attention_as_repeated_heads():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     assert out["error"].startswith(ERROR), out["error"]
     assert out["mask"]["own"] <= 1e-6 and out["causal"]["own"] <= 1e-6, (out["mask"]["own"], out["causal"]["own"])
-    assert out["same_heads_equal"] and out["positional_equal"], out
+    assert out["same_heads_equal"] and out["by_keyword_equal"], out
 
 
 @where_patch_applies("sdpa-enable-gqa")

@@ -41,14 +41,12 @@ PATCH = Patch(
 
 
 def _with_gqa(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    kwargs = dict(kwargs)
-    if len(args) > 7:  # (query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        args, kwargs["enable_gqa"] = args[:7], args[7]
+    kwargs = dict(kwargs)  # enable_gqa is keyword-only (as scale), as in torch 2.15's schema
     if not kwargs.pop("enable_gqa", False):
         return wrapped(*args, **kwargs)
     from .sdpa_backport import _repeat_kv_heads
 
-    query, key, value = (args + (None,) * 3)[:3]
+    query, key, value = (tuple(args) + (None,) * 3)[:3]  # each may be given by name instead
     query = kwargs.pop("query", query)
     key, value = _repeat_kv_heads(query, kwargs.pop("key", key), kwargs.pop("value", value))
     return wrapped(query, key, value, *args[3:], **kwargs)
