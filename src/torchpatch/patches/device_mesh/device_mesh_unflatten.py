@@ -1,7 +1,7 @@
 """device-mesh-unflatten: ``DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names, backend_override=None)``
 on torch 2.4-2.9.
 
-What breaks:   torchtitan 0.3.0 builds every mesh by unflattening its 1-D world mesh
+What breaks:   torchtitan 0.3.0 (and 0.2.2) builds every mesh by unflattening its 1-D world mesh
                (``world_mesh._unflatten(0, (pp, batch, cp, tp), ("pp", "batch", "cp", "tp"),
                backend_override={...: "fake"})``), so on torch 2.4-2.9 nothing trains: ``AttributeError:
                'DeviceMesh' object has no attribute '_unflatten'``.
@@ -41,7 +41,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="device-mesh-unflatten",
     summary="DeviceMesh._unflatten(dim, mesh_sizes, mesh_dim_names, backend_override) on torch 2.4-2.9 "
-    "(torchtitan 0.3.0 builds its meshes with it)",
+    "(torchtitan 0.2.2 and 0.3.0 build their meshes with it)",
     torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/device_mesh.py",
 )
