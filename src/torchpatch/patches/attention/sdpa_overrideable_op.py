@@ -25,7 +25,7 @@ from torchpatch import Error, Patch, Patcher
 PATCH = Patch(
     id="sdpa-overrideable-op",
     summary="torch.ops.aten._scaled_dot_product_fused_attention_overrideable (torch 2.5's hook for out-of-tree "
-    "backends; its kernel raises, as torch's own) on torch 2.4",
+    "backends; its kernel raises, as torch's own)",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/131756",
     errors=(

@@ -1,7 +1,7 @@
 """dtensor-context-parallel-210: the names of torch 2.10's context-parallel API that code imports at
 module level (``_context_parallel_shard``, ``_enable_context_parallel_dispatcher``,
 ``_HeadTailLoadBalancer``, ``_PTRRLoadBalancer``, ``_ContextParallel``,
-``_context_parallel._attention.flex_cp_allgather``) on torch 2.9, raising a clear error when used.
+``_context_parallel._attention.flex_cp_allgather``) on torch 2.4-2.9, raising a clear error when used.
 
 What breaks:   torchtitan 0.3.0 imports them at module level in the module every model's
                ``parallelize`` imports (``torchtitan/distributed/context_parallel/api.py``), so on torch

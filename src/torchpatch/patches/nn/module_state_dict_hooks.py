@@ -27,7 +27,7 @@ from torchpatch import Patch, Patcher
 PATCH = Patch(
     id="module-state-dict-hooks",
     summary="nn.Module.register_state_dict_post_hook / register_load_state_dict_pre_hook (torch 2.5's public "
-            "state-dict hooks) on torch 2.4",
+            "state-dict hooks)",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/117588",
 )
