@@ -29,7 +29,6 @@ from typing import Any, Dict, List
 
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "src" / "torchpatch" / "patches" / "_data" / "native_errors.json"
-VENVS = Path(os.environ.get("NOX_TORCH_VENVS", "~/.cache/torchpatch/nox")).expanduser()
 MATRIX = ("1.13.1", "2.1.2", "2.4.1", "2.9.0", "2.13.0", "2.14.1", "2.15.0")
 # Test files named after no patch: the patch whose native failure they reproduce.
 FILES = {"test_patch_dtensor_mixed.py": ["dtensor-implicit-replication", "dtensor-op-fallback"]}
@@ -78,8 +77,10 @@ def install(main_file):
 
 
 def python_of(torch: str) -> Path:
-    name = "tests" if torch == "2.13.0" else "matrix-torch-" + torch.replace(".", "-")
-    return VENVS / name / "bin" / "python"
+    """The nox session venv's python of ``torch`` (tools/checkpoint_fixtures.py's, where the fixtures are made)."""
+    from checkpoint_fixtures import venv_python
+
+    return Path(venv_python(torch))
 
 
 def test_files(torch: str, patches: List[str]) -> List[str]:

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List
 import api_coverage
 from support_chart import svg
 
+from torchpatch._fixes import FILE as PATCH_ERRORS_FILE
 from torchpatch._known_bugs import entries, with_range
 from torchpatch._patch import Patch
 from torchpatch._registry import DATA, INDEX, _load, builtin_patches, catalogue_modules
@@ -30,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 SOURCE = "https://github.com/torchpatch/torchpatch/tree/main/src/torchpatch/patches"
 INDEX_FILE = ROOT / "src" / "torchpatch" / "patches" / DATA / INDEX
-ERRORS_FILE = INDEX_FILE.with_name("patch_errors.json")
+ERRORS_FILE = INDEX_FILE.with_name(PATCH_ERRORS_FILE)
 CHART_FILE = DOCS / "assets" / "support-chart.svg"
 
 

@@ -12,12 +12,13 @@ of torch.distributed's classes (:class:`~.members.MemberChecker`).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
 import sys
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 from _torchpatch_startup import parse_flag
 
@@ -31,6 +32,9 @@ from .members import MemberChecker, followed
 from .resolve import Resolver
 from .serving import Serving
 from .target import Target, choose_target
+
+if TYPE_CHECKING:
+    from .logs import LogScan
 
 # What the query is: a dotted name, or the name an error message is about.
 NAME, IMPORT, NO_MODULE, ATTRIBUTE, MEMBER = "name", "import", "module", "attribute", "member"
@@ -197,15 +201,13 @@ def _across_inventories(query: Query, patches: Sequence[Patch], cfg: Config) -> 
 
 def explain(query: Query, target: Target, patches: Optional[Sequence[Patch]] = None,
             cfg: Optional[Config] = None, note: str = "") -> Dict[str, Any]:
-    """The answer about ``query`` on ``target``, as a JSON-ready dict (``exit``: its exit status)."""
+    """The answer about ``query`` on ``target``, as a JSON-ready dict (``exit``: its exit status). The
+    target stays open (a log asks it about each name it holds): whoever chose it closes it."""
     cfg = cfg or Config.from_environ()
     patches = all_patches() if patches is None else patches
     by_id = {p.id: p for p in patches}
-    try:
-        answer, serving = _verdict(query, target, patches, cfg)
-        submodule = answer.verdict == "native" and query.form == ATTRIBUTE and _is_module(target, answer.result.key)
-    finally:
-        target.close()
+    answer, serving = _verdict(query, target, patches, cfg)
+    submodule = answer.verdict == "native" and query.form == ATTRIBUTE and _is_module(target, answer.result.key)
     result = answer.result
     everywhere = _across_inventories(query, patches, cfg)
     served_by = [{
@@ -326,36 +328,19 @@ def register(sub: Any) -> None:
     p.set_defaults(func=run)
 
 
-def patch_state(patch_id: str, torch: str, patches: Sequence[Patch], cfg: Config) -> Dict[str, Any]:
-    """Whether the patch ``patch_id`` applies to ``torch`` and whether this shell's switches have it on."""
-    serving = Serving.for_torch(torch, patches, cfg)
-    spec = next((p.torch for p in patches if p.id == patch_id), None)
-    decision = serving.decisions.get(patch_id)
-    if decision is None:
-        state = f"not for torch {torch}: it applies to torch {spec}"
-    elif decision.enabled:
-        state = f"on here ({decision.reason}); it acts in processes started with TORCHPATCH=1"
-    else:
-        state = f"off here: {decision.reason}"
-    return {"patch": patch_id, "torch": spec, "applies": decision is not None,
-            "enabled": bool(decision and decision.enabled), "state": state}
-
-
-def _known(text: str, requested: Optional[str], cfg: Config) -> Optional[Dict[str, Any]]:
-    """The answer about the last known error (or error a patch fixes) in ``text`` (a message, not a
-    log; what its lines name collected from all of them) on the torch ``requested`` (None: the
-    installed one), or None."""
-    import io
-
+def _known(scanned: "LogScan", requested: Optional[str], cfg: Config) -> Optional[Dict[str, Any]]:
+    """The answer about the last known error (or error a patch fixes) of a message (``scanned``: its
+    lines, what they name collected from all of them) on the torch ``requested`` (None: the installed
+    one), or None."""
     from .fixes import report_for
-    from .logs import known_errors, scan
+    from .logs import known_errors_by_id
 
-    found = [f for f in scan(io.BytesIO(text.encode("utf-8", "replace"))).found.values() if f.kind == "known"]
+    found = [f for f in scanned.found.values() if f.kind == "known"]
     if not found:
         return None
     version = _target_version(requested)
     line = max(f.first_line for f in found)
-    by_id = {e["id"]: e for e in known_errors()}
+    by_id = known_errors_by_id()
     # of the entries the last such line matches (two patches may fix one error), one that applies here first
     last = sorted([f for f in found if f.first_line == line],
                   key=lambda f: not _versions.matches(by_id[f.key]["torch"] or ">=0", version))[0]
@@ -384,8 +369,11 @@ def run(args: argparse.Namespace) -> int:
 
         return run_log(args, requested, note)
     text = os.fsencode(args.message).decode(sys.getfilesystemencoding(), "replace")  # never surrogate escapes
+    from .logs import scan
+
+    scanned = scan(io.BytesIO(text.encode("utf-8", "replace")))  # its lines, read as a log's
     try:
-        known = _known(text, requested, Config.from_environ())  # a known error, or one a patch fixes, first
+        known = _known(scanned, requested, Config.from_environ())  # a known error, or one a patch fixes, first
         if known is not None:
             if note:
                 known["notes"] = [note]
@@ -397,9 +385,12 @@ def run(args: argparse.Namespace) -> int:
             if os.sep in text and "\n" not in text.strip():
                 raise ValueError(f"no such file: {text.strip()[:200]!r} (a log to read?), nor an error message "
                                  f"it can read, one of:\n{FORMS}") from None
-            return _unknown_error(text, requested, note, args.json)
+            return _unknown_error(text, scanned, requested, note, args.json)
         target = choose_target(requested, live=True)
-        report = explain(query, target, note=note)
+        try:
+            report = explain(query, target, note=note)
+        finally:
+            target.close()
     except (ValueError, CheckError) as exc:
         print(f"torchpatch explain: {exc}", file=sys.stderr)
         return 2
@@ -407,18 +398,15 @@ def run(args: argparse.Namespace) -> int:
     return int(report["exit"])
 
 
-def _unknown_error(text: str, requested: Optional[str], note: str, as_json: bool) -> int:
-    """An error message torchpatch does not know (exit 0: it was read), answered as a one-message log;
-    text with no error line in it is a usage error (exit 2)."""
-    import io
+def _unknown_error(text: str, scanned: "LogScan", requested: Optional[str], note: str, as_json: bool) -> int:
+    """An error message torchpatch does not know (exit 0: it was read), answered as a one-message log
+    (``scanned``: its lines); text with no error line in it is a usage error (exit 2)."""
+    from .logs import explain_log, format_log
 
-    from .logs import explain_log, format_log, scan
-
-    found = scan(io.BytesIO(text.encode("utf-8", "replace")))
-    if not found.unrecognised:
+    if not scanned.unrecognised:
         raise ValueError(f"cannot tell which name {text.strip()[:200]!r} is about; give an error message or a "
                          f"dotted name (or a log: - or PATH), one of:\n{FORMS}")
-    report = explain_log(found, "the message", requested, note)
+    report = explain_log(scanned, "the message", requested, note)
     print(json.dumps(report, indent=2) if as_json else format_log(report))
     return 0
 

@@ -16,6 +16,7 @@ from _torchpatch_startup import parse_flag
 from .._config import Config
 from .._fixes import patch_errors
 from .._patch import Patch
+from .serving import Serving
 
 PATCH_ERROR = "patch error"  # the form of the answer, beside "known error"
 # verdict -> exit status: the patch acts here (0), or not (1)
@@ -31,7 +32,7 @@ def fix_entries() -> Tuple[Dict[str, Any], ...]:
 
 
 def fix_report(entry: Dict[str, Any], details: List[str], torch: str, text: str, state: Dict[str, Any]) -> Dict[str, Any]:
-    """The answer about an error the patch of ``entry`` fixes, on ``torch`` (``state``: explain.patch_state's)."""
+    """The answer about an error the patch of ``entry`` fixes, on ``torch`` (``state``: :func:`patch_state`'s)."""
     pid = entry["id"]
     torchpatch_on = parse_flag(os.environ.get("TORCHPATCH", "")) is True
     if not state["applies"]:
@@ -79,13 +80,28 @@ def format_fix(report: Dict[str, Any], indent: str = "") -> List[str]:
     return [indent + line for line in lines]
 
 
+def patch_state(patch_id: str, torch: str, patches: Sequence[Patch], serving: Serving) -> Dict[str, Any]:
+    """Whether the patch ``patch_id`` applies to ``torch`` and whether this shell's switches have it on
+    (``serving``: the catalogue on ``torch`` with them)."""
+    spec = next((p.torch for p in patches if p.id == patch_id), None)
+    decision = serving.decisions.get(patch_id)
+    if decision is None:
+        state = f"not for torch {torch}: it applies to torch {spec}"
+    elif decision.enabled:
+        state = f"on here ({decision.reason}); it acts in processes started with TORCHPATCH=1"
+    else:
+        state = f"off here: {decision.reason}"
+    return {"patch": patch_id, "torch": spec, "applies": decision is not None,
+            "enabled": bool(decision and decision.enabled), "state": state}
+
+
 def report_for(entry: Dict[str, Any], details: List[str], torch: str, text: str, patches: Sequence[Patch],
                cfg: Config) -> Dict[str, Any]:
     """The answer about the known error or patch error of ``entry`` on ``torch``."""
-    from .explain import patch_state
     from .logs import known_report
 
-    states = [patch_state(pid, torch, patches, cfg) for pid in entry["patches"]]
+    serving = Serving.for_torch(torch, patches, cfg)
+    states = [patch_state(pid, torch, patches, serving) for pid in entry["patches"]]
     if entry.get("kind") == PATCH_ERROR:
         return fix_report(entry, details, torch, text, states[0])
     return known_report(entry, details, torch, text, states)

@@ -54,7 +54,7 @@ def _compiled() -> Tuple[Tuple[Pattern[str], ...], Tuple[Tuple[str, Pattern[str]
 
 def known_error_matches(line: str) -> List[Tuple[Dict[str, Any], Optional[str]]]:
     """The known-error entries ``line`` matches, each with what its ``detail`` group names (or None)."""
-    by_id = _by_id()
+    by_id = known_errors_by_id()
     out = []
     for entry_id, pattern in _compiled()[1]:
         match = pattern.search(line)
@@ -64,7 +64,8 @@ def known_error_matches(line: str) -> List[Tuple[Dict[str, Any], Optional[str]]]
 
 
 @functools.lru_cache(maxsize=None)
-def _by_id() -> Dict[str, Dict[str, Any]]:
+def known_errors_by_id() -> Dict[str, Dict[str, Any]]:
+    """:func:`known_errors` by their ``id``."""
     return {e["id"]: e for e in known_errors()}
 
 
@@ -270,21 +271,27 @@ def explain_log(found: LogScan, source: str, requested: Optional[str], note: str
     """The answer about a whole log, as a JSON-ready dict: each distinct known error explained once."""
     from .._config import Config
     from .._registry import all_patches
-    from .explain import explain, parse
+    from .explain import _target_version, explain, parse
     from .fixes import report_for
-    from .target import choose_target
+    from .target import Target, choose_target
 
     cfg = Config.from_environ()
     patches = all_patches()
-    version = choose_target(requested, live=False).version
-    by_id = {e["id"]: e for e in known_errors()}
+    version = _target_version(requested)
+    by_id = known_errors_by_id()
     errors = []
-    for finding in sorted(found.found.values(), key=lambda f: f.first_line):
-        if finding.kind == "known":
-            report = report_for(by_id[finding.key], finding.details, version, finding.text, patches, cfg)
-        else:
-            report = explain(parse(finding.text), choose_target(requested, live=True), patches, cfg)
-        errors.append(dict(finding.as_dict(), explanation=report))
+    target: Optional[Target] = None  # chosen at the first missing name, asked about each, then closed
+    try:
+        for finding in sorted(found.found.values(), key=lambda f: f.first_line):
+            if finding.kind == "known":
+                report = report_for(by_id[finding.key], finding.details, version, finding.text, patches, cfg)
+            else:
+                target = target or choose_target(requested, live=True)
+                report = explain(parse(finding.text), target, patches, cfg)
+            errors.append(dict(finding.as_dict(), explanation=report))
+    finally:
+        if target is not None:
+            target.close()
     notes = [note] if note else []
     if found.torch_in_log and requested is None and found.torch_in_log != version:
         notes.append(f"the log's torchpatch summary line names torch {found.torch_in_log}: --torch "
