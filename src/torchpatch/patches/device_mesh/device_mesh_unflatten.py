@@ -28,7 +28,9 @@ Fix:           on 2.9, the same checks and errors as 2.15, then a new 2.9 Device
                ``dim`` unflattened, its groups all of the default backend (a ``"fake"`` one asked for
                becomes a real group: the same results, more groups), 2.15's errors for the override keys;
                it is a root of its own, its slices and flattenings (device-mesh-flatten) know it as
-               their parent. Two unflattenings of one world mesh do not share a parent there.
+               their parent. Two unflattenings of one world mesh do not share a parent there; the
+               unflattenings of each mesh are recorded, and FSDP2's check that the DP and TP meshes
+               share a parent is fsdp2-unflattened-meshes'.
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/device_mesh.py
 """
 
@@ -82,7 +84,9 @@ def _unflatten(self: Any, dim: Union[int, str], mesh_sizes: Tuple[int, ...], mes
         # torch 2.4: no backend overrides; every dimension gets groups of the default backend (a "fake"
         # one asked for, for a group that never communicates, becomes a real one: the same results)
         _check_override_keys(backend_override, tuple(mesh_dim_names))
-        return device_mesh.DeviceMesh(self.device_type, ranks, mesh_dim_names=tuple(dim_names))
+        unflattened = device_mesh.DeviceMesh(self.device_type, ranks, mesh_dim_names=tuple(dim_names))
+        _UNFLATTENED.setdefault(_shared_root(self), []).append(unflattened)  # fsdp2-unflattened-meshes reads it
+        return unflattened
     overrides = ((None, None),) * len(mesh_sizes)
     if backend_override is not None:
         overrides = tuple(device_mesh._normalize_backend_override(
@@ -110,11 +114,21 @@ def _check_override_keys(backend_override: Optional[Dict[Union[int, str], Any]],
 
 
 def _shared_root(mesh: Any) -> Any:
-    """2.15's root of ``mesh``: for an unflattened mesh, the root of the mesh it was unflattened from."""
+    """2.15's root of ``mesh``: for an unflattened mesh, the root of the mesh it was unflattened from
+    (2.4: the parent of ``mesh``, or ``mesh``, stands for its root)."""
     from torch.distributed.device_mesh import _mesh_resources
 
-    root = _mesh_resources.get_root_mesh(mesh)
+    if hasattr(_mesh_resources, "get_root_mesh"):
+        root = _mesh_resources.get_root_mesh(mesh)
+    else:
+        root = _mesh_resources.get_parent_mesh(mesh) or mesh
     return next((origin for origin, meshes in _UNFLATTENED.items() if any(root is m for m in meshes)), root)
+
+
+def unflattened_alongside(mesh: Any) -> List[Any]:
+    """The meshes unflattened from the root ``mesh`` was unflattened from (``mesh`` among them), in the
+    order made; empty for a mesh ``_unflatten`` did not make."""
+    return next((list(meshes) for meshes in _UNFLATTENED.values() if any(mesh is m for m in meshes)), [])
 
 
 def _has_names(mesh: Any, names: Tuple[str, ...]) -> bool:
