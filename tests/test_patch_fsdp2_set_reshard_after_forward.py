@@ -21,10 +21,8 @@ PATCH_ID = "fsdp2-set-reshard-after-forward"
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._composable.fsdp import fully_shard
+# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
+from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank, W = dist.get_rank(), dist.get_world_size()
@@ -76,10 +74,8 @@ out["param_diff"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip
 
 NATIVE = """
 import datetime, json, torch, torch.nn as nn, torch.distributed as dist
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._composable.fsdp import fully_shard
+# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
+from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 layer = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))

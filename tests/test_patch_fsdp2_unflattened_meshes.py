@@ -19,10 +19,8 @@ PATCH_ID = "fsdp2-unflattened-meshes"
 
 RANKS = """
 import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-try:
-    from torch.distributed.fsdp import fully_shard
-except ImportError:  # torch 2.4 without torchpatch
-    from torch.distributed._composable.fsdp import fully_shard
+# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
+from torch.distributed._composable.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))

@@ -32,9 +32,10 @@ PATCH = Patch(
     torch=">=2.4,<2.9",
     upstream="https://github.com/pytorch/pytorch/pull/160781",
     behaviour="checkpoint(..., early_stop=...)",
-    errors=(  # the keyword reaches the checkpointed function
+    errors=(  # the keyword reaches the checkpointed function (non-reentrant), or reentrant refuses it
         Error(r"got an unexpected keyword argument 'early_stop'",
               "TypeError: TransformerBlock.forward() got an unexpected keyword argument 'early_stop'"),
+        Error(r"Unexpected keyword arguments: (.*,)?early_stop\b", "ValueError: Unexpected keyword arguments: early_stop"),
     ),
 )
 MODULE = "torch.utils.checkpoint"

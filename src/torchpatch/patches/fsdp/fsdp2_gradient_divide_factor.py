@@ -20,7 +20,7 @@ import threading
 from types import ModuleType
 from typing import Any, Dict, Optional, Tuple
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-gradient-divide-factor",
@@ -28,6 +28,10 @@ PATCH = Patch(
             "data-parallel ranks, then divided by factor",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/150734",
+    errors=(  # FSDP's dynamic class (FSDP<module class>) lacks the method
+        Error(r"object has no attribute 'set_gradient_divide_factor'",
+              "AttributeError: 'FSDPLinear' object has no attribute 'set_gradient_divide_factor'"),
+    ),
 )
 FSDP = "torch.distributed._composable.fsdp"
 PATCH.sets(f"{FSDP}.fully_shard.FSDPModule", ("set_gradient_divide_factor",))

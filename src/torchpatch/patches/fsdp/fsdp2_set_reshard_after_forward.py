@@ -20,7 +20,7 @@ Upstream:      https://github.com/pytorch/pytorch/pull/139891 (set_reshard_after
 from types import ModuleType
 from typing import Any
 
-from torchpatch import Patch, Patcher
+from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="fsdp2-set-reshard-after-forward",
@@ -28,6 +28,10 @@ PATCH = Patch(
             "post-forward mesh)",
     torch=">=2.4,<2.5",
     upstream="https://github.com/pytorch/pytorch/pull/139891",
+    errors=(  # FSDP's dynamic class (FSDP<module class>) lacks the method
+        Error(r"object has no attribute 'set_reshard_after_forward'",
+              "AttributeError: 'FSDPLinear' object has no attribute 'set_reshard_after_forward'"),
+    ),
 )
 FSDP = "torch.distributed._composable.fsdp"
 PATCH.sets(f"{FSDP}.fully_shard.FSDPModule", ("set_reshard_after_forward",))

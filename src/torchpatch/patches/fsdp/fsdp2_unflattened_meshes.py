@@ -40,7 +40,7 @@ PATCH = Patch(
     behaviour="fully_shard of tensor-parallel parameters, DP and TP meshes from two DeviceMesh._unflatten calls",
     errors=(
         Error(r"FSDP requires the DP and TP mesh to have the same parent mesh",
-              "AssertionError: FSDP requires the DP and TP mesh to have the same parent mesh but got: "),
+              "AssertionError: FSDP requires the DP and TP mesh to have the same parent mesh but got: ..."),
     ),
 )
 FSDP_PARAM = "torch.distributed._composable.fsdp._fsdp_param"
