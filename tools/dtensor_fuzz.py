@@ -6,8 +6,8 @@ tensors, natively, with ``TORCHPATCH=1``, and on the newest torch (the oracle).
         --count 2000 [--seed 0] [--json runs.json] [--cache DIR]
     # the corpus the tests hold every matrix torch to (run with torch 2.15.0: records its outcomes)
     python tools/dtensor_fuzz.py corpus --python VENV_2_15/bin/python --write tests/fixtures/dtensor_fuzz_corpus.json
-    # one torch against the corpus (natively and with TORCHPATCH=1): exit 1 on any program that breaks
-    # the rule; --native: torch 2.15.0 still gives the corpus's outcomes
+    # one torch against the corpus (with TORCHPATCH=1, natively what is not right with it): exit 1 on any
+    # program that breaks the rule; --native: torch 2.15.0 still gives the corpus's outcomes
     python tools/dtensor_fuzz.py check --python VENV/bin/python [--native] [--first N]
     # programs one by one, with their errors' words
     python tools/dtensor_fuzz.py run --python VENV/bin/python --start 167 --count 1 [--torchpatch]
