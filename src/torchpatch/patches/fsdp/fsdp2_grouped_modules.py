@@ -1,10 +1,10 @@
 """fsdp2-grouped-modules: ``fully_shard([module_a, module_b], ...)`` (a list of modules) on torch 2.4,
 for modules that share no parameter.
 
-What breaks:   torchtitan 0.3.0 shards its final norm and output projection as one group,
-               ``fully_shard([model.norm, model.lm_head], ...)``: torch 2.4's ``fully_shard`` takes one
-               module, and every FSDP run stops at ``AttributeError: 'list' object has no attribute
-               '__dict__'``.
+What breaks:   torchtitan 0.2.2 and 0.3.0 shard their final norm and output projection as one
+               group (``fully_shard([model.norm, model.output])``; 0.3.0's ``lm_head``): torch 2.4's
+               ``fully_shard`` takes one module, and every FSDP run stops at ``AttributeError: 'list'
+               object has no attribute '__dict__'``.
 Torch:         2.5 takes a list: the modules' parameters form one FSDP group (one all-gather, one
                reduce-scatter; one FSDP state shared by the modules), which is what lets modules that
                share a parameter (tied weights) be sharded together; a listed module inside another
@@ -13,7 +13,7 @@ Torch:         2.5 takes a list: the modules' parameters form one FSDP group (on
 Fix:           where the modules share no parameter, each is sharded by its own ``fully_shard`` call with
                the same arguments, in the list's order: each parameter gets the same shard, the same
                all-gathered value and the same reduce-scattered gradient (element-wise the same sums) as
-               in 2.6's one group; only the collectives are split (two smaller ones instead of one).
+               in 2.5's one group; only the collectives are split (two smaller ones instead of one).
                Modules that share a parameter (one group is what makes that right) raise
                ``NotImplementedError``: 2.5's grouped FSDP state is not served. A listed module inside
                another listed one is skipped (2.5's root modules of the list). Returns the list, as 2.5.
