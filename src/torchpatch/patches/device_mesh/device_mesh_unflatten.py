@@ -53,10 +53,12 @@ _UNFLATTENED: Dict[Any, List[Any]] = {}  # root mesh -> the meshes unflattened f
 
 
 def _register_fake_backend() -> None:
+    import importlib
+
     import torch.distributed as dist
 
-    if "fake" not in dist.Backend.backend_list:
-        import torch.testing._internal.distributed.fake_pg  # noqa: F401 - registers the "fake" backend
+    if "fake" not in dist.Backend.backend_list:  # importing the module registers the "fake" backend
+        importlib.import_module("torch.testing._internal.distributed.fake_pg")
 
 
 def _unflatten(self: Any, dim: Union[int, str], mesh_sizes: Tuple[int, ...], mesh_dim_names: Tuple[str, ...],
