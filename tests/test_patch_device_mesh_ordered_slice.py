@@ -68,7 +68,6 @@ if rank == 0:
 """.replace("RESULT", repr(RESULT)) + LEAVE_WITHOUT_TEARDOWN
 
 
-
 @through_patch_range("device-mesh-ordered-slice", "slicing by names in the mesh's order")
 def test_submesh_equals_torch_2_15s(tmp_path):
     ranks = ranks_result(SCRIPT, nproc=4, tmp_path=tmp_path, env=clean_env(TORCHPATCH="1"), timeout=180)
