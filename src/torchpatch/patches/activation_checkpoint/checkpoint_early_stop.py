@@ -32,8 +32,8 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/160781",
     behaviour="checkpoint(fn, *args, use_reentrant=False, early_stop=False)",
     errors=(
-        Error(r"forward\(\) got an unexpected keyword argument 'early_stop'",
-              "TypeError: Llama3TransformerBlock.forward() got an unexpected keyword argument 'early_stop'"),
+        Error(r"\(\) got an unexpected keyword argument 'early_stop'",
+              "TypeError: <lambda>() got an unexpected keyword argument 'early_stop'"),
     ),
 )
 
