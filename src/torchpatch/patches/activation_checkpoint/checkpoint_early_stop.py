@@ -1,34 +1,35 @@
-"""checkpoint-early-stop: ``torch.utils.checkpoint.checkpoint(..., early_stop=...)`` (and
-``checkpoint_wrapper(module, early_stop=...)``) on torch 2.4-2.8.
+"""checkpoint-early-stop: ``torch.utils.checkpoint.checkpoint(..., early_stop=...)``, a per-call
+switch of the recomputation's early stop, on torch 2.4-2.8.
 
-What breaks:   torchtitan 0.2.2 wraps each transformer block for activation checkpointing with
-               ``checkpoint_wrapper(block, ..., early_stop=ac_config.early_stop)``; torch 2.4's
-               ``checkpoint`` has no such keyword and hands it to the block, so every run with
-               activation checkpointing (``fsdp+tp+sac``) stops in the first forward with ``TypeError:
-               TransformerBlock.forward() got an unexpected keyword argument 'early_stop'``.
-Torch:         2.9 added the keyword (default True) for non-reentrant checkpointing: whether the
-               recomputation in backward stops once it has recomputed every tensor backward needs, the
-               setting 2.4 takes from ``set_checkpoint_early_stop`` alone (a global, True by default).
-               From 2.9 that context manager, where one is open, overrides the keyword; reentrant
-               checkpointing ignores it.
-Fix:           the keyword is taken out of the call, and while the call builds its checkpoint frame
-               (where 2.4 reads the setting) the setting is the keyword's, unless a
-               ``set_checkpoint_early_stop`` context is open (2.9's precedence). The values computed
-               are the same either way; early stopping only spares recomputation.
-Upstream:      https://github.com/pytorch/pytorch/pull/160781 (early_stop kwarg to torch.utils.checkpoint)
+What breaks:   torchtitan 0.2.2 and 0.3 wrap each block with ``checkpoint_wrapper(block, ...,
+               early_stop=...)`` (full and selective activation checkpointing). Before torch 2.9,
+               ``checkpoint`` has no such parameter: non-reentrant checkpointing hands it to the block,
+               whose first forward dies with ``TypeError: TransformerBlock.forward() got an unexpected
+               keyword argument 'early_stop'``; reentrant checkpointing refuses it (``ValueError:
+               Unexpected keyword arguments: early_stop``).
+Torch:         2.4-2.8 have only the global ``set_checkpoint_early_stop(enable)`` context (early stop
+               on by default); 2.9 added the keyword (default True; a ``set_checkpoint_early_stop``
+               context around the call, where there is one, decides instead).
+Fix:           as torch 2.9: ``checkpoint`` takes ``early_stop`` (keyword). With
+               ``use_reentrant=False`` it is the early stop of that call's own recomputation frame
+               (made when the call starts, before the function runs: checkpoints nested in the
+               function keep theirs), unless a ``set_checkpoint_early_stop`` context is open, which
+               decides as on 2.9; reentrant checkpointing ignores it, as 2.9 does. A call without
+               it is this torch's.
+Upstream:      https://github.com/pytorch/pytorch/pull/160781
 """
 
+import contextlib
 import inspect
-import sys
 from types import ModuleType
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 from torchpatch import Error, Patch, Patcher
 
 PATCH = Patch(
     id="checkpoint-early-stop",
-    summary="torch.utils.checkpoint.checkpoint(..., early_stop=) and checkpoint_wrapper(..., early_stop=) on "
-            "torch 2.4-2.8 (2.9's precedence: an open set_checkpoint_early_stop context wins)",
+    summary="torch.utils.checkpoint.checkpoint(..., early_stop=...) and checkpoint_wrapper(..., early_stop=...): "
+            "the recomputation's early stop per call (an open set_checkpoint_early_stop context wins, as 2.9)",
     torch=">=2.4,<2.9",
     upstream="https://github.com/pytorch/pytorch/pull/160781",
     behaviour="checkpoint(..., early_stop=...)",
@@ -38,63 +39,65 @@ PATCH = Patch(
         Error(r"Unexpected keyword arguments: (.*,)?early_stop\b", "ValueError: Unexpected keyword arguments: early_stop"),
     ),
 )
-MODULE = "torch.utils.checkpoint"
-WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 
-_open: List[int] = [0]  # set_checkpoint_early_stop contexts open now
-
-
-class _Counted:
-    """A ``set_checkpoint_early_stop`` context, counted while open."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-
-    def __enter__(self) -> Any:
-        result = self._context.__enter__()
-        _open[0] += 1
-        return result
-
-    def __exit__(self, *exc: Any) -> Any:
-        _open[0] -= 1
-        return self._context.__exit__(*exc)
+_OPEN: List[bool] = []  # the set_checkpoint_early_stop contexts open now, innermost last
+_PENDING: List[bool] = []  # the early_stop of a checkpoint call whose frame is not made yet
 
 
 def _set_early_stop(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    return _Counted(wrapped(*args, **kwargs))
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
+        with wrapped(*args, **kwargs):
+            _OPEN.append(True)
+            try:
+                yield
+            finally:
+                _OPEN.pop()
+
+    return context()
 
 
 def _checkpoint(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
-    early_stop = bool(kwargs.pop("early_stop", True))
-    module = sys.modules[MODULE]
-    if _open[0]:  # an open context overrides the keyword (2.9)
+    if "early_stop" not in kwargs:
         return wrapped(*args, **kwargs)
-    previous = module._enable_checkpoint_early_stop
-    module._enable_checkpoint_early_stop = early_stop
+    kwargs = dict(kwargs)
+    early_stop = bool(kwargs.pop("early_stop"))
+    if kwargs.get("use_reentrant") is not False or _OPEN:
+        return wrapped(*args, **kwargs)  # reentrant ignores it; an open context decides
+    _PENDING.append(early_stop)
     try:
         return wrapped(*args, **kwargs)
     finally:
-        module._enable_checkpoint_early_stop = previous
+        _PENDING.clear()  # taken by the call's frame (or the call failed before making one)
 
 
-def _lacks_keyword(function: Any) -> bool:
-    return callable(function) and "early_stop" not in inspect.signature(function).parameters
+def _frame_init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    if _PENDING:
+        args = (args[0], _PENDING.pop(), *args[2:])  # (recompute_fn, early_stop, ...)
+    wrapped(*args, **kwargs)
 
 
-@PATCH.on_import(MODULE)
-def keyword(patcher: Patcher, module: ModuleType) -> bool:
-    if not _lacks_keyword(getattr(module, "checkpoint", None)) or not hasattr(module, "_enable_checkpoint_early_stop"):
+@PATCH.on_import("torch.utils.checkpoint")
+def add_early_stop(patcher: Patcher, checkpoint: ModuleType) -> bool:
+    if "early_stop" in inspect.signature(checkpoint.checkpoint).parameters:
         return False
-    patcher.wrap(module, "checkpoint", _checkpoint)
-    patcher.wrap(module, "set_checkpoint_early_stop", _set_early_stop)
+    params = list(inspect.signature(checkpoint._CheckpointFrame.__init__).parameters)
+    if params[1:3] != ["recompute_fn", "early_stop"]:
+        raise RuntimeError(f"torch.utils.checkpoint._CheckpointFrame.__init__{tuple(params)}: not the "
+                           "(self, recompute_fn, early_stop, ...) of torch 2.4-2.8, so early_stop cannot be set per call")
+    patcher.wrap(checkpoint, "checkpoint", _checkpoint)
+    patcher.wrap(checkpoint, "set_checkpoint_early_stop", _set_early_stop)
+    patcher.wrap(checkpoint._CheckpointFrame, "__init__", _frame_init)
     return True
 
 
-@PATCH.on_import(WRAPPER)
-def wrapper_keyword(patcher: Patcher, module: ModuleType) -> bool:
-    """checkpoint_wrapper binds torch.utils.checkpoint's function at its import."""
-    own = getattr(module, "torch_utils_checkpoint", None)
-    if not _lacks_keyword(own) or own is getattr(sys.modules.get(MODULE), "checkpoint", None):
+@PATCH.on_import("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+def wrapper_binding(patcher: Patcher, module: ModuleType) -> bool:
+    """``checkpoint_wrapper`` holds ``checkpoint`` under its own name, bound when it was imported."""
+    import torch.utils.checkpoint as checkpoint
+
+    bound = getattr(module, "torch_utils_checkpoint", None)
+    if bound is None or bound is checkpoint.checkpoint or "early_stop" in inspect.signature(bound).parameters:
         return False
-    patcher.wrap(module, "torch_utils_checkpoint", _checkpoint)
+    patcher.setattr(module, "torch_utils_checkpoint", checkpoint.checkpoint)
     return True
