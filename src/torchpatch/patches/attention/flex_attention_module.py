@@ -62,7 +62,8 @@ def build(module: ModuleType) -> None:
     module.AuxRequest, module.AuxOutput = aux.AuxRequest, aux.AuxOutput
     module.FlexKernelOptions = aux._kernel_options()
     module.FlexKernelOptions.__module__ = _MODULE
+    sources = {"block_mask": block_mask, "attention": attention, "mods": mods}
     for source, names in HELPERS.items():
         for name in names:
-            setattr(module, name, getattr({"block_mask": block_mask, "attention": attention, "mods": mods}[source], name))
+            setattr(module, name, getattr(sources[source], name))
     module.__all__ = list(PUBLIC)

@@ -1,14 +1,16 @@
-"""torch-check-functions: ``torch._check`` and its kin, ``torch.sym_max``/``sym_min``/``sym_not``/
-``sym_float``/``sym_int`` on torch 1.13, and ``torch.newaxis`` on torch 1.13-2.3.
+"""torch-toplevel-helpers: ``torch._check`` and its kin, ``torch.sym_max``/``sym_min``/``sym_not``/
+``sym_float``/``sym_int`` and ``torch.unravel_index`` on torch 1.13-2.1; ``torch.newaxis`` on torch 1.13-2.3.
 
 What breaks:   model code written for torch 2 states its shape assumptions with ``torch._check(cond,
                lambda: msg)`` (``_check_index``, ``_check_value``, ... for other error types), and
                computes sizes with ``torch.sym_max``/``sym_min`` so that they stay traceable; on torch
                1.13 the first such line dies with ``AttributeError: module 'torch' has no attribute
-               '_check'``. Array-API code indexes with ``x[:, torch.newaxis]``: ``AttributeError`` on
-               torch 1.13-2.3.
+               '_check'``. Code that turns flat indices (``topk`` over a flattened grid) into coordinates
+               with ``torch.unravel_index`` fails the same way on 1.13 and 2.1, and array-API code that
+               indexes with ``x[:, torch.newaxis]`` on 1.13-2.3.
 Torch:         the checks and ``sym_*`` functions arrived in 2.1 (with symbolic shapes: on 2.15 they
-               accept a ``SymBool``/``SymInt`` as well as plain values); ``newaxis`` in 2.4.
+               accept a ``SymBool``/``SymInt`` as well as plain values), ``unravel_index`` in 2.2,
+               ``newaxis`` in 2.4.
 Fix:           set them on torch, with torch 2.15's semantics for every value torch 1.13 can give
                them (it has no symbolic values): a false ``cond`` raises the check's error type with
                the message (a callable is called; ``None`` gives torch's default text); a ``cond``
@@ -16,28 +18,35 @@ Fix:           set them on torch, with torch 2.15's semantics for every value to
                tensor and checks all its elements. ``sym_max``/``sym_min`` promote to float when
                either argument is a float and reject other types with torch's ``AssertionError``;
                tensor subclasses' ``__torch_function__`` is honoured as on 2.15. ``newaxis`` is
-               ``None``. Names are set as plain attributes (a module ``__getattr__`` would slow every
+               ``None``. ``unravel_index(indices, shape)`` gives one int64 coordinate tensor per dimension
+               (floor division and remainder by the shape's strides), with torch's errors for a
+               non-integer ``indices``, a non-int shape, negative sizes, and a zero size with indices.
+               Names are set as plain attributes (a module ``__getattr__`` would slow every
                ``torch.X`` lookup on torch 1.13), only where torch lacks them.
 Upstream:      https://github.com/pytorch/pytorch/blob/v2.15.0/torch/__init__.py (``_check_with``,
-               ``sym_max``, ``newaxis``)
+               ``sym_max``, ``newaxis``); torch/functional.py (``unravel_index``)
 """
 
 from __future__ import annotations
 
 import builtins
+import itertools
+import operator
 import sys
 from types import ModuleType
-from typing import Any, Callable, Tuple, Type, Union
+from typing import Any, Callable, Sequence, Tuple, Type, Union
 
 from torchpatch import Patch, Patcher
 
 PATCH = Patch(
-    id="torch-check-functions",
+    id="torch-toplevel-helpers",
     summary="torch._check (and _check_index/_value/_type/_not_implemented/_with/_tensor_all), "
-            "torch.sym_max/sym_min/sym_not/sym_float/sym_int on torch 1.13; torch.newaxis before 2.4",
+            "torch.sym_max/sym_min/sym_not/sym_float/sym_int on torch 1.13; torch.unravel_index before 2.2, "
+            "torch.newaxis before 2.4",
     torch="<2.4",
     upstream="https://github.com/pytorch/pytorch/blob/v2.15.0/torch/__init__.py",
-    behaviour="torch._check* and sym_* (plain values, 2.15's semantics) and torch.newaxis = None, where missing",
+    behaviour="torch._check* and sym_* (plain values, 2.15's semantics), torch.newaxis = None, torch.unravel_index, "
+              "where missing",
 )
 
 Message = Union[str, Callable[[], object], None]
@@ -169,17 +178,46 @@ def sym_min(a: Any, b: Any) -> Any:
     return _extreme(builtins.min, sym_min, a, b)
 
 
+def unravel_index(indices: Any, shape: Any) -> Tuple[Any, ...]:
+    """The coordinates, one tensor per dimension of ``shape``, of each flat index in ``indices``."""
+    import torch
+    from torch import overrides
+
+    if overrides.has_torch_function_unary(indices):
+        return overrides.handle_torch_function(unravel_index, (indices,), indices, shape=shape)
+    _check_type(not indices.is_complex() and not indices.is_floating_point() and indices.dtype != torch.bool,
+                lambda: f"expected 'indices' to be integer dtype, but got {indices.dtype}")
+    _check_type(isinstance(shape, (int, Sequence)),
+                lambda: f"expected 'shape' to be int or sequence of ints, but got {type(shape)}")
+    if isinstance(shape, int):
+        shape = torch.Size([shape])
+    else:
+        for dim in shape:
+            _check_type(isinstance(dim, int),
+                        lambda: f"expected 'shape' sequence to only contain ints, but got {type(dim)}")
+        shape = torch.Size(shape)
+    _check_value(all(dim >= 0 for dim in shape), lambda: f"'shape' cannot have negative values, but got {tuple(shape)}")
+    _check_value(all(dim > 0 for dim in shape) or indices.numel() == 0,
+                 lambda: f"'shape' cannot have zero dimensions when 'indices' is non-empty, but got {tuple(shape)}")
+    strides = list(reversed(list(itertools.accumulate(reversed(list(shape[1:]) + [1]), func=operator.mul))))
+    as_tensor = {"device": indices.device, "dtype": torch.int64}
+    coordinates = torch.div(indices.unsqueeze(-1), torch.tensor(strides, **as_tensor), rounding_mode="floor")
+    return (coordinates % torch.tensor(shape, **as_tensor)).unbind(-1)
+
+
 CHECKS = {f.__name__: f for f in (_check, _check_with, _check_index, _check_value, _check_type, _check_not_implemented,
                                   _check_tensor_all, _check_tensor_all_with, sym_not, sym_float, sym_int, sym_max,
                                   sym_min)}
 NEWAXIS = {"newaxis": None, "__all_and_float_types": __all_and_float_types}
 PATCH.sets("torch", tuple(CHECKS), torch="<2.1")
+PATCH.sets("torch", ("unravel_index",), torch="<2.2")
 PATCH.sets("torch", tuple(NEWAXIS))
+NAMES = {**CHECKS, "unravel_index": unravel_index, **NEWAXIS}
 
 
 @PATCH.on_import("torch")
-def set_check_functions(patcher: Patcher, torch: ModuleType) -> bool:
-    missing = {name: value for name, value in {**CHECKS, **NEWAXIS}.items() if name not in vars(torch)}
+def set_helpers(patcher: Patcher, torch: ModuleType) -> bool:
+    missing = {name: value for name, value in NAMES.items() if name not in vars(torch)}
     for name, value in missing.items():
         patcher.setattr(torch, name, value)
     return bool(missing)
