@@ -63,6 +63,22 @@ PROBES = (
      "err(lambda: v(torch.tensor([1]), 'ab')), err(lambda: v(torch.tensor([1]), 2.0))]"),
     ("torch.distributed", "get_node_local_rank", "local_rank(v)"),
     ("torch.nn.functional", "lp_pool3d", "lp_pool(v)"),
+    ("torch.nn.functional", "_canonical_mask",
+     "[err(lambda: v(torch.tensor([True, False]), 'm', None, 'o', torch.float32).tolist()), "
+     "err(lambda: v(torch.tensor([1, 0]), 'm', None, 'o', torch.float32)), "
+     "warned(lambda: v(torch.tensor([0.5]), 'm', torch.bool, 'o', torch.float32)), "
+     "v(None, 'm', None, 'o', torch.float32)]"),
+    ("torch.nn.functional", "_none_or_dtype",
+     "[v(None), str(v(torch.ones(1, dtype=torch.float16))), err(lambda: v(3))]"),
+    ("torch.nn.functional", "_check_key_padding_mask",
+     "[err(lambda: v(torch.ones(2, 3), 3, 2)), err(lambda: v(torch.ones(2, 3), 3, 4)), "
+     "err(lambda: v(torch.ones(2, 3), 5, 2))]"),
+    ("torch.nn.functional", "_check_unpool_output_size", "[err(lambda: v([1, 2], 1)), err(lambda: v([1, -2], 1))]"),
+    ("torch.nn.functional", "_is_integer",
+     "[v(3), v(True), v(2.0), v(torch.ones(1, dtype=torch.long)), v(torch.ones(1)), v('3')]"),
+    ("torch.nn.functional", "_expand_single_value", "[v(None), v(3), v([1, 2])]"),
+    ("torch.nn.functional", "_list_or_empty", "[v(None), v([]), v([1])]"),
+    ("torch.nn.functional", "_enum_list_as_int_list", "[v(Pick.A), v([Pick.A, Pick.B])]"),
     ("torch._utils", "is_compiling", "[warned(v), v()]"),
     ("torch._utils", "cpu_count",
      "v() == (len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count())"),
@@ -81,8 +97,10 @@ PROBES = (
 )
 
 PROGRAM = """
-import importlib, json, os, sys, warnings
+import enum, importlib, json, os, sys, warnings
 import torch
+
+Pick = enum.Enum("Pick", "A B")
 
 def err(f):
     try:
