@@ -22,7 +22,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="c10d-node-local-rank",
-    summary="torch.distributed.get_node_local_rank (LOCAL_RANK, else fallback_rank) on torch 2.1-2.3",
+    summary="torch.distributed.get_node_local_rank (LOCAL_RANK, else fallback_rank)",
     torch=">=2.1,<2.4",
     upstream="https://github.com/pytorch/pytorch/blob/v2.15.0/torch/distributed/distributed_c10d.py",
 )

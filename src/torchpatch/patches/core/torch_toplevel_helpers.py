@@ -40,9 +40,8 @@ from torchpatch import Patch, Patcher
 
 PATCH = Patch(
     id="torch-toplevel-helpers",
-    summary="torch._check (and _check_index/_value/_type/_not_implemented/_with/_tensor_all), "
-            "torch.sym_max/sym_min/sym_not/sym_float/sym_int on torch 1.13; torch.unravel_index before 2.2, "
-            "torch.newaxis before 2.4",
+    summary="torch.newaxis; torch.unravel_index (1.13-2.1); torch._check (and _check_index/_value/_type/"
+            "_not_implemented/_with/_tensor_all), torch.sym_max/sym_min/sym_not/sym_float/sym_int (1.13)",
     torch="<2.4",
     upstream="https://github.com/pytorch/pytorch/blob/v2.15.0/torch/__init__.py",
     behaviour="torch._check* and sym_* (plain values, 2.15's semantics), torch.newaxis = None, torch.unravel_index, "

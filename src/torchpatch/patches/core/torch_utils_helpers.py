@@ -1,5 +1,5 @@
-"""torch-utils-helpers: ``torch._utils.is_compiling``, ``cpu_count``, ``try_import`` and ``_dummy_type``
-on torch 1.13.
+"""torch-utils-helpers: ``torch._utils.is_compiling``, ``cpu_count``, ``try_import`` and ``_dummy_type``,
+torch 1.13-2.0.
 
 What breaks:   libraries written for torch 2 reach for these private helpers of ``torch._utils`` (whether
                torch.compile is tracing; the CPUs this process may use, for worker counts; an optional
@@ -30,7 +30,7 @@ from torchpatch import Patch
 
 PATCH = Patch(
     id="torch-utils-helpers",
-    summary="torch._utils.is_compiling, cpu_count, try_import, _dummy_type on torch 1.13",
+    summary="torch._utils.is_compiling, cpu_count, try_import, _dummy_type",
     torch="<2.1",
     upstream="https://github.com/pytorch/pytorch/blob/v2.15.0/torch/_utils.py",
 )

@@ -1,5 +1,5 @@
 """nn-functional-helpers: ``torch.nn.functional.lp_pool3d`` and the private argument helpers of torch 2's
-``torch.nn.functional`` (``_canonical_mask``, ``_none_or_dtype``, ...) on torch 1.13.
+``torch.nn.functional`` (``_canonical_mask``, ``_none_or_dtype``, ...), torch 1.13-2.0.
 
 What breaks:   code that power-average pools volumes (video, 3-D medical images) calls
                ``F.lp_pool3d(x, norm_type, kernel_size)``, and attention layers adapted from torch 2's
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only: torch is never imported at this module's 
 PATCH = Patch(
     id="nn-functional-helpers",
     summary="torch.nn.functional.lp_pool3d and torch 2's private argument helpers (_canonical_mask, "
-            "_none_or_dtype, ...) on torch 1.13",
+            "_none_or_dtype, ...)",
     torch="<2.1",
     upstream="https://github.com/pytorch/pytorch/blob/v2.15.0/torch/nn/functional.py",
 )
