@@ -67,6 +67,17 @@ PROBES = (
      "err(lambda: v(torch.tensor([1]), (2, -1))), err(lambda: v(torch.tensor([1]), (0, 2))), "
      "err(lambda: v(torch.tensor([1]), 'ab')), err(lambda: v(torch.tensor([1]), 2.0))]"),
     ("torch.distributed", "get_node_local_rank", "local_rank(v)"),
+    ("torch.distributed._pycute", "signum", "[v(3), v(0), v(-2)]"),
+    ("torch.distributed._pycute", "inner_product",
+     "[v((1, (2, 3)), (4, (5, 6))), v(2, 3), kind(lambda: v((1,), (1, 2)))]"),
+    ("torch.distributed._pycute", "tuple_max", "[v((1, (7, 3))), v(4)]"),
+    ("torch.distributed._pycute", "elem_scale", "[v((2, 3), (4, 5)), v(2, (3, 4)), kind(lambda: v((2,), 3))]"),
+    ("torch.distributed._pycute", "shape_div",
+     "[v((6, 4), 3), v((4, 6), (2, 3)), v(6, (2, 3)), v(2, 4), kind(lambda: v(6, 4))]"),
+    ("torch.distributed._pycute", "crd2crd",
+     "[v((1, 2), (2, 3)), v(5, (2, 3)), v((1, 2), 6, (2, 3)), kind(lambda: v(4, 3))]"),
+    ("torch.distributed._pycute", "slice_", "[v((None, 1, (None, 2)), (4, 5, (6, 7))), v(None, 3), v(1, 3)]"),
+    ("torch.distributed._pycute", "has_none", "[v((1, (None,))), v((1, 2)), v(None)]"),
     ("torch.nn.functional", "lp_pool3d", "lp_pool(v)"),
     ("torch.nn.functional", "_canonical_mask",
      "[err(lambda: v(torch.tensor([True, False]), 'm', None, 'o', torch.float32).tolist()), "

@@ -2,11 +2,11 @@
 (the last mode varies fastest), for the integer bookkeeping of device-mesh ranks.
 
 An ``IntTuple`` is an int or a (nested) tuple of them; a :class:`Layout` maps a coordinate (or a flat
-index) to ``sum(coord * stride)``. Served: the int-tuple helpers, :class:`Layout` (call with
-coordinates or an index, indexing, ``size``, ``cosize``), ``make_layout``, ``size``, ``cosize``,
-``coalesce``, ``filter``, ``composition``, ``complement``. Not served (device meshes never use them):
-slicing a layout with ``None`` coordinates, ``slice_``, ``crd2crd``, ``shape_div``, ``elem_scale``,
-the inverses, and the logical/zipped/tiled divides and products.
+index) to ``sum(coord * stride)``. Served: the int-tuple helpers (``slice_``, ``crd2crd``,
+``shape_div``, ``elem_scale`` ... included), :class:`Layout` (call with coordinates or an index,
+indexing, ``size``, ``cosize``), ``make_layout``, ``size``, ``cosize``, ``coalesce``, ``filter``,
+``composition``, ``complement``. Not served (device meshes never use them): slicing a layout with
+``None`` coordinates, the inverses, and the logical/zipped/tiled divides and products.
 """
 
 from __future__ import annotations
@@ -102,6 +102,87 @@ def crd2idx(crd: Optional[IntTuple], shape: IntTuple, stride: Optional[IntTuple]
         crd, rest = divmod(crd, product(shape[i]))
         result += crd2idx(rest, shape[i], stride[i])
     return result + (crd2idx(crd, shape[0], stride[0]) if shape else 0)
+
+
+def signum(a: int) -> int:
+    return bool(a > 0) - bool(a < 0)
+
+
+def inner_product(a: IntTuple, b: IntTuple) -> int:
+    """``sum(x * y)`` over matching leaves of ``a`` and ``b`` (same nesting)."""
+    if is_tuple(a) and is_tuple(b):
+        if len(a) != len(b):
+            raise AssertionError
+        return sum(map(inner_product, a, b))
+    if is_tuple(a) or is_tuple(b):
+        raise AssertionError
+    return a * b
+
+
+def tuple_max(a: IntTuple) -> int:
+    return max(map(tuple_max, a)) if is_tuple(a) else a
+
+
+def elem_scale(a: IntTuple, b: IntTuple) -> IntTuple:
+    """``a`` scaled leaf by leaf by ``b`` (an int ``a`` by ``b``'s product)."""
+    if is_tuple(a):
+        if not is_tuple(b):
+            raise AssertionError("Invalid combination: tuple with int")
+        if len(a) != len(b):
+            raise AssertionError
+        return tuple(map(elem_scale, a, b))
+    return elem_scale(a, product(b)) if is_tuple(b) else a * b
+
+
+def shape_div(a: IntTuple, b: IntTuple) -> IntTuple:
+    """``a`` divided by ``b``, mode by mode (an int ``b`` divides ``a``'s modes left to right)."""
+    if is_tuple(a):
+        if is_tuple(b):
+            if len(a) != len(b):
+                raise AssertionError
+            return tuple(map(shape_div, a, b))
+        out = []
+        for mode in a:
+            out.append(shape_div(mode, b))
+            b = shape_div(b, product(mode))
+        return tuple(out)
+    if is_tuple(b):
+        return shape_div(a, product(b))
+    if not (a % b == 0 or b % a == 0):
+        raise AssertionError
+    return (a + b - 1) // b
+
+
+def crd2crd(crd: IntTuple, dst_shape: IntTuple, src_shape: Optional[IntTuple] = None) -> IntTuple:
+    """Coordinate ``crd`` (of ``src_shape``) as a coordinate of ``dst_shape``."""
+    if is_tuple(crd):
+        if is_tuple(dst_shape):
+            if len(crd) != len(dst_shape):
+                raise AssertionError
+            return tuple(crd2crd(x, y) for x, y in zip(crd, dst_shape))
+        if src_shape is None:
+            raise AssertionError
+        return crd2idx(crd, src_shape)
+    if is_tuple(dst_shape):
+        return idx2crd(crd, dst_shape)
+    if crd >= dst_shape:
+        raise AssertionError
+    return crd
+
+
+def slice_(crd: Union[Tuple[Any, ...], int, None], trg: Union[Tuple[Any, ...], int]) -> Union[Tuple[Any, ...], int]:
+    """The modes of ``trg`` where ``crd`` is ``None``, flattened one level."""
+    if is_tuple(crd):
+        if not is_tuple(trg):
+            raise AssertionError("Invalid combination: tuple crd with int trg")
+        if len(crd) != len(trg):
+            raise AssertionError
+        return tuple(m for part in (slice_(c, s) for c, s in zip(crd, trg)) if part != () for m in part)
+    return (trg,) if crd is None else ()
+
+
+def has_none(a: Union[Tuple[Any, ...], int, None]) -> bool:
+    return any(map(has_none, a)) if is_tuple(a) else a is None
 
 
 class LayoutBase:
