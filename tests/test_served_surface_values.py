@@ -78,6 +78,18 @@ PROBES = (
      "[v((1, 2), (2, 3)), v(5, (2, 3)), v((1, 2), 6, (2, 3)), kind(lambda: v(4, 3))]"),
     ("torch.distributed._pycute", "slice_", "[v((None, 1, (None, 2)), (4, 5, (6, 7))), v(None, 3), v(1, 3)]"),
     ("torch.distributed._pycute", "has_none", "[v((1, (None,))), v((1, 2)), v(None)]"),
+    ("torch.distributed._pycute", "right_inverse",
+     "[lay(v(L((2, 3), (3, 1)))), lay(v(L((4, 2), (1, 8)))), lay(v(4)), v(None)]"),
+    ("torch.distributed._pycute", "left_inverse", "[lay(v(L((2, 3), (3, 1)))), lay(v(L(4, 2)))]"),
+    ("torch.distributed._pycute", "logical_divide",
+     "[lay(v(L(8), L(2))), lay(v(L((4, 6)), (2, 3))), lay(v(L(8), 4)), lay(v(L(8), None))]"),
+    ("torch.distributed._pycute", "logical_product",
+     "[lay(v(L(4), L(3))), lay(v(L((2, 2)), (L(2), L(3)))), lay(v(L(8), 2))]"),
+    *(("torch.distributed._pycute", name,
+       "[lay(v(L((4, 6)), (L(2), L(3)))), lay(v(L(8), L(2))), lay(v(L(8), None))]")
+      for name in ("zipped_divide", "tiled_divide", "zipped_product", "tiled_product")),
+    ("torch.distributed._pycute", "slice_and_offset",
+     "[[lay(s), o] for s, o in (v((None, 1), L((2, 3))), v((1, None), L((4, 5), (7, 1))))]"),
     ("torch.nn.functional", "lp_pool3d", "lp_pool(v)"),
     ("torch.nn.functional", "_canonical_mask",
      "[err(lambda: v(torch.tensor([True, False]), 'm', None, 'o', torch.float32).tolist()), "
@@ -154,6 +166,12 @@ def fused_linear_bn(v):
     mismatch = err(lambda: v(torch.nn.Linear(3, 4).eval(), torch.nn.BatchNorm1d(2).eval()))
     return [training, gap < 1e-6, fused is not lin, fused.weight.tolist(), fused.bias.tolist(),
             fused.weight.requires_grad, mismatch]
+
+def L(*args):
+    return importlib.import_module("torch.distributed._pycute").Layout(*args)
+
+def lay(layout):
+    return [layout.shape, layout.stride]
 
 def local_rank(v):
     unset = [err(lambda: v()), v(3), v(fallback_rank="2")]

@@ -5,8 +5,8 @@ An ``IntTuple`` is an int or a (nested) tuple of them; a :class:`Layout` maps a 
 index) to ``sum(coord * stride)``. Served: the int-tuple helpers (``slice_``, ``crd2crd``,
 ``shape_div``, ``elem_scale`` ... included), :class:`Layout` (call with coordinates or an index,
 indexing, ``size``, ``cosize``), ``make_layout``, ``size``, ``cosize``, ``coalesce``, ``filter``,
-``composition``, ``complement``. Not served (device meshes never use them): slicing a layout with
-``None`` coordinates, the inverses, and the logical/zipped/tiled divides and products.
+``composition``, ``complement``, the inverses, the logical/zipped/tiled divides and products,
+``slice_and_offset``. Not served (device meshes never use it): calling a layout with ``None`` coordinates.
 """
 
 from __future__ import annotations
@@ -341,3 +341,100 @@ def complement(layout: Union[Layout, IntTuple], max_idx: int = 1) -> Layout:
     shape.append(-(-max_idx // current))
     stride.append(current)
     return coalesce(Layout(tuple(shape[::-1]), tuple(stride[::-1])))
+
+
+def right_inverse(layout: Union[Layout, IntTuple, None]) -> Optional[Layout]:
+    """The layout R with ``layout(R(i)) == i`` over the largest contiguous prefix of ``layout``'s image."""
+    if layout is None:
+        return None
+    if is_int(layout):
+        return Layout(layout)
+    shape: List[int] = []
+    stride: List[int] = []
+    current = 1
+    flat_shape = flatten(layout.shape)
+    for mode_stride, mode_shape, rstride in sorted(zip(flatten(layout.stride), flat_shape,
+                                                       flatten(suffix_product(flat_shape)))):
+        if mode_shape == 1:
+            continue
+        if current != mode_stride:
+            break
+        shape.append(mode_shape)
+        stride.append(rstride)
+        current = mode_shape * mode_stride
+    return coalesce(Layout(tuple(reversed(shape)), tuple(reversed(stride))))
+
+
+def left_inverse(layout: Union[Layout, IntTuple, None]) -> Optional[Layout]:
+    """The layout L with ``L(layout(i)) == i``."""
+    if layout is None:
+        return None
+    if is_int(layout):
+        return Layout(layout)
+    return right_inverse(make_layout(complement(layout), layout))
+
+
+def _by_modes(op: Any, layout_a: Layout, layout_b: Tuple[Any, ...]) -> Layout:
+    """``op`` applied mode by mode over ``layout_b``'s modes; ``layout_a``'s further modes kept."""
+    if len(layout_a) < len(layout_b):
+        raise AssertionError
+    return make_layout([op(layout_a[i], layout_b[i]) for i in range(len(layout_b))]
+                       + [layout_a[i] for i in range(len(layout_b), len(layout_a))])
+
+
+def logical_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    """``layout_a`` split into tiles of ``layout_b`` and the rest."""
+    if layout_b is None:
+        return layout_a
+    if is_int(layout_b):
+        return logical_divide(layout_a, Layout(layout_b))
+    if is_tuple(layout_b):
+        return _by_modes(logical_divide, layout_a, layout_b)
+    return composition(layout_a, make_layout(layout_b, complement(layout_b, size(layout_a))))
+
+
+def logical_product(layout_a: Layout, layout_b: Any) -> Layout:
+    """``layout_a`` repeated as ``layout_b`` says (an int ``layout_b``: divided, as torch 2.15 does)."""
+    if layout_b is None:
+        return layout_a
+    if is_int(layout_b):
+        return logical_divide(layout_a, Layout(layout_b))
+    if is_tuple(layout_b):
+        return _by_modes(logical_product, layout_a, layout_b)
+    return make_layout(layout_a, composition(complement(layout_a, size(layout_a) * cosize(layout_b)), layout_b))
+
+
+def _hier_unzip(splitter: Any, layout_a: Layout, layout_b: Any) -> Layout:
+    if layout_b is None:
+        return make_layout(Layout(1, 0), layout_a)
+    if is_tuple(layout_b):
+        if len(layout_a) < len(layout_b):
+            raise AssertionError
+        split = make_layout([_hier_unzip(splitter, layout_a[i], layout_b[i]) for i in range(len(layout_b))])
+        return make_layout(make_layout([split[i][0] for i in range(len(layout_b))]),
+                           make_layout([split[i][1] for i in range(len(layout_b))]
+                                       + [layout_a[i] for i in range(len(layout_b), len(layout_a))]))
+    return splitter(layout_a, layout_b)
+
+
+def zipped_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    return _hier_unzip(logical_divide, layout_a, layout_b)
+
+
+def tiled_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    result = zipped_divide(layout_a, layout_b)
+    return make_layout([result[0]] + [result[1][i] for i in range(len(result[1]))])
+
+
+def zipped_product(layout_a: Layout, layout_b: Any) -> Layout:
+    return _hier_unzip(logical_product, layout_a, layout_b)
+
+
+def tiled_product(layout_a: Layout, layout_b: Any) -> Layout:
+    result = zipped_product(layout_a, layout_b)
+    return make_layout([result[0]] + [result[1][i] for i in range(len(result[1]))])
+
+
+def slice_and_offset(crd: Tuple[Any, ...], layout: Layout) -> Tuple[Layout, int]:
+    """The sub-layout of ``layout``'s modes where ``crd`` is None, and the offset of ``crd``'s other coordinates."""
+    return Layout(slice_(crd, layout.shape), slice_(crd, layout.stride)), crd2idx(crd, layout.shape, layout.stride)
