@@ -139,6 +139,21 @@ def load_gaps() -> Gaps:
     return out
 
 
+def pieces_markdown() -> str:
+    """The declared gaps per piece, for docs/patches/newest-api.md: each piece's line (the file's ``kinds``),
+    how many names it holds and in which modules."""
+    data = json.loads((catalogue_data() / GAPS).read_text())
+    names: Dict[str, Set[Tuple[str, str]]] = {}
+    for entry in data["entries"]:
+        names.setdefault(entry["kind"], set()).update((entry["module"], n) for n in entry["names"])
+    lines = ["| piece | names | modules | what it is |", "|---|---:|---|---|"]
+    for kind, line in sorted(data["kinds"].items(), key=lambda item: -len(names[item[0]])):
+        modules = sorted({m for m, _ in names[kind]})
+        shown = ", ".join(f"`{m}`" for m in modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+        lines.append(f"| `{kind}` | {len(names[kind])} | {shown} | {line} |")
+    return "\n".join(lines)
+
+
 def gaps_for(version: str, gaps: Gaps) -> Dict[Tuple[str, str], str]:
     """The declared gaps whose entry admits ``version`` -> what each needs."""
     return {key: need for key, entries in gaps.items() for spec, need in entries if _versions.matches(spec, version)}

@@ -15,6 +15,7 @@ Fix:           serve the module with both functions, 2.15's signatures and files
                every rank: rank ``r`` writes the files whose index ``% world_size == r`` (of
                ``process_group``, default the world), rank 0 the index of them all, then a barrier, as
                2.15 (one process without a process group: every file, no index, as 2.15). ``num_threads`` is accepted and not used (one thread). Needs ``safetensors``.
+               The module's safetensors key constants are served with torch 2.15's values.
 Upstream:      https://github.com/pytorch/pytorch/blob/v2.15.0/torch/distributed/checkpoint/_consolidate_hf_safetensors.py
 """
 
@@ -38,7 +39,10 @@ PATCH = Patch(
 
 MODULE = "torch.distributed.checkpoint._consolidate_hf_safetensors"
 NAMES = ("consolidate_safetensors_files", "consolidate_safetensors_files_on_every_rank")
-PATCH.sets(MODULE, NAMES)
+# torch 2.15's constants of the module (imported there from checkpoint._hf_utils)
+CONSTANTS = {"SUFFIX": ".safetensors", "DATA_OFFSETS_KEY": "data_offsets", "DEFAULT_EXTRA_METADATA_KEY": "__metadata__",
+             "DTYPE_KEY": "dtype", "SAVED_OFFSETS_KEY": "saved_offsets", "SHAPE_KEY": "shape"}
+PATCH.sets(MODULE, NAMES + tuple(CONSTANTS))
 
 
 def consolidate_safetensors_files(input_dir: str, output_dir: str, fqn_to_index_mapping: Dict[str, int],
@@ -73,3 +77,5 @@ def consolidate_safetensors_files_on_every_rank(input_dir: str, output_dir: str,
 def build(module: ModuleType) -> None:
     module.consolidate_safetensors_files = consolidate_safetensors_files
     module.consolidate_safetensors_files_on_every_rank = consolidate_safetensors_files_on_every_rank
+    for name, value in CONSTANTS.items():
+        setattr(module, name, value)

@@ -22,6 +22,17 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _round_up_to_multiple(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _broadcast_to_dim(x: Tensor, dim: int) -> Tensor:
+    """``x`` with leading size-1 dimensions up to ``dim`` dimensions."""
+    while x.dim() < dim:
+        x = x.unsqueeze(0)
+    return x
+
+
 def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
     """The [..., rows, num_cols] int32 0/1 block grid of an ordered block list (entries past
     ``num_blocks`` ignored)."""
@@ -54,7 +65,11 @@ def _sliced_mask_mod_error(batch: Tensor, head: Tensor, token_q: Tensor, token_k
     """The mask_mod of a sliced BlockMask: raises torch's error (a slice has no valid mask_mod)."""
     raise RuntimeError(
         "Cannot use mask_mod from a sliced BlockMask. When you slice a BlockMask using [], the mask_mod attribute "
-        "is reset. You must set it from the original BlockMask's mask_mod.")
+        "is reset. You must set it from the original BlockMask's mask_mod.\n\nIncorrect usage:"
+        "\n  base_mask = create_block_mask(my_mask_fn, ...)\n  sliced_mask = base_mask[:, :, block_idx]"
+        "\n  sliced_mask.mask_mod = apply_offset(sliced_mask.mask_mod, offset)  # WRONG!\n\nCorrect usage:"
+        "\n  base_mask = create_block_mask(my_mask_fn, ...)\n  sliced_mask = base_mask[:, :, block_idx]"
+        "\n  sliced_mask.mask_mod = apply_offset(base_mask.mask_mod, offset)  # Use base_mask!")
 
 
 class BlockMask:
