@@ -7,20 +7,23 @@ evaluates every probe and runs every program; a probe answering "present" must l
 one answering "absent" to a thing that does not (where it runs, the probe would have missed a working
 path). A ``declared`` probe keeps its "present" answer on purpose (real code imports the name
 unconditionally); where its patch is applied its use must then raise torchpatch's ``NotImplementedError``
-naming the missing piece, never a silent or foreign failure.
+naming the missing piece, never a silent or foreign failure. The same process holds the two generic probes
+to every module and name the catalogue serves on this torch: ``importlib.util.find_spec`` finds a served
+module exactly where it imports, and ``hasattr`` answers True for each served name without raising.
 """
 
 import json
 from pathlib import Path
+from typing import List, Tuple
 
 import pytest
 
-from conftest import TORCH, clean_env, run_json
+from conftest import TORCH, clean_env, run_json, torch_matches
 
 PROBES = json.loads((Path(__file__).parent / "fixtures" / "probes.json").read_text())["probes"]
 
 PROGRAM = r'''
-import json, os, sys, tempfile
+import importlib, importlib.util, json, sys, tempfile
 import torch
 import torchpatch
 
@@ -91,18 +94,50 @@ for probe in json.loads(sys.argv[1]):
     status = torchpatch.status()
     answer["served_here"] = [p for p in probe["served_by"] if status.get(p) == "applied"]
     out[probe["id"]] = answer
-print(json.dumps(out))
+modules, names = json.loads(sys.argv[2])
+applied = {p for p, state in torchpatch.status().items() if state == "applied"}
+served = {"modules": {}, "names": {}}
+for name in modules:
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except Exception as exc:  # find_spec imports the parents
+        found = f"find_spec raised {type(exc).__name__}: {exc}"
+    try:
+        importlib.import_module(name)
+        imported = True
+    except Exception as exc:
+        imported = f"{type(exc).__name__}: {exc}"[:300]
+    served["modules"][name] = [found, imported]
+for patch_id, module, name in names:
+    if patch_id not in applied:
+        continue
+    parts = (module + "." + name).split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable prefix, then attributes
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+            break
+        except ImportError:
+            continue
+    try:
+        for part in parts[cut:-1]:
+            obj = getattr(obj, part)
+        served["names"][f"{module}.{name}"] = hasattr(obj, parts[-1])
+    except Exception as exc:
+        served["names"][f"{module}.{name}"] = f"{type(exc).__name__}: {exc}"[:300]
+print(json.dumps({"probes": out, "served": served}))
 '''
 
 
 @pytest.fixture(scope="module")
 def answers():
-    return run_json(PROGRAM, env=clean_env(TORCHPATCH="1"), args=(json.dumps(PROBES),), timeout=300)
+    """One process with TORCHPATCH=1: every probe and its program, then every served module and name."""
+    return run_json(PROGRAM, env=clean_env(TORCHPATCH="1"), args=(json.dumps(PROBES), json.dumps(served_here())),
+                    timeout=300)
 
 
 @pytest.mark.parametrize("probe", [p for p in PROBES if "declared" not in p], ids=lambda p: p["id"])
 def test_probe_answers_what_works(answers, probe):
-    got = answers[probe["id"]]
+    got = answers["probes"][probe["id"]]
     assert got["present"] == got["works"], (
         f"torch {TORCH}: {probe['id']} ({', '.join(probe['found_in'])}) answers present={got['present']} "
         f"but the thing {'runs' if got['works'] else 'fails: ' + got.get('error', '')}; served here by "
@@ -111,8 +146,36 @@ def test_probe_answers_what_works(answers, probe):
 
 @pytest.mark.parametrize("probe", [p for p in PROBES if "declared" in p], ids=lambda p: p["id"])
 def test_declared_probe_refuses_loudly(answers, probe):
-    got = answers[probe["id"]]
+    got = answers["probes"][probe["id"]]
     if not got["served_here"]:
         pytest.skip(f"torch {TORCH}: {probe['served_by']} not applied; the probe is torch's own")
     assert got["present"] is True, got
     assert got["works"] or ("NotImplementedError" in got["error"] and probe["refusal"] in got["error"]), got
+
+
+def served_here() -> Tuple[List[str], List[Tuple[str, str, str]]]:
+    """What the catalogue declares it serves on this torch: modules (shims and aliases), and the names
+    (patch id, module, name: symbols, and names hooks set) that an applied patch serves."""
+    from torchpatch._registry import builtin_patches
+
+    modules, names = set(), set()
+    for patch in builtin_patches():
+        if torch_matches(patch.torch):
+            modules.update(patch.modules)
+            modules.update(name for name, _target, spec in patch.aliases if not spec or torch_matches(spec))
+            names.update((patch.id, module, name) for module, name in patch.symbols)
+            names.update((patch.id, module, name) for module, name, spec in patch.hook_symbols
+                         if not spec or torch_matches(spec))
+    return sorted(modules), sorted(names)
+
+
+def test_find_spec_of_every_served_module_matches_its_import(answers):
+    """``importlib.util.find_spec(name)``, the probe of a module's presence, finds a served module exactly
+    where importing it works."""
+    assert {name: pair for name, pair in answers["served"]["modules"].items() if pair != [True, True]} == {}
+
+
+def test_hasattr_of_every_served_name_answers_present(answers):
+    """``hasattr(owner, name)`` answers True for each name an applied patch declares it serves, and never
+    raises (a factory failing with anything but AttributeError would crash the probe itself)."""
+    assert {name: got for name, got in answers["served"]["names"].items() if got is not True} == {}
