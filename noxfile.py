@@ -92,6 +92,10 @@ DOCS = ["mkdocs==1.6.1", "mkdocs-material==9.8.2"]
 # wait on the subprocesses they start (ranks, fresh interpreters), which one worker leaves a core idle for.
 # Files are handed out in collection order, the longest first (tests/conftest.py's COLLECTED_FIRST).
 XDIST = ("-n", "2", "--dist", "loadfile", "--no-loadscope-reorder")
+# The launchers session is one file of seven tests, each a launcher's whole job: test by test, both workers
+# run (its file alone on one worker took 117 s of CI's 40 minutes, the other worker idle); the tests of one
+# launcher marked ``xdist_group`` stay on one worker, one after the other (Ray: one local cluster at a time).
+XDIST_BY_TEST = ("-n", "2", "--dist", "loadgroup")
 # The slowest tests of each session, in its log: where CI time goes.
 DURATIONS = ("--durations", "15")
 
@@ -131,7 +135,8 @@ def _install_torchtitan(session: nox.Session, releases: list[str]) -> str:
 
 
 def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra: tuple[str, ...] = (),
-               tests: tuple[str, ...] = ("tests",), env: dict[str, str] | None = None) -> None:
+               tests: tuple[str, ...] = ("tests",), env: dict[str, str] | None = None,
+               xdist: tuple[str, ...] = XDIST) -> None:
     pip_env = {"PIP_CONFIG_FILE": os.devnull} if Version(torch) > CONSTRAINED_ABOVE else {}
     if session.venv_backend == "uv":
         # pip compiles the bytecode when it installs, uv only when asked: where PYTHONDONTWRITEBYTECODE is
@@ -149,7 +154,7 @@ def _run_suite(session: nox.Session, torch: str, torchtitan: bool = False, extra
     releases = [release for release, torches in TORCHTITAN.items() if torchtitan and torch in torches]
     if releases:
         env["TORCHTITAN_TEST_RELEASES"] = _install_torchtitan(session, releases)
-    session.run("python", "-m", "pytest", *XDIST, *DURATIONS, *(session.posargs or tests), env=env)
+    session.run("python", "-m", "pytest", *xdist, *DURATIONS, *(session.posargs or tests), env=env)
 
 
 @nox.session
@@ -179,7 +184,8 @@ def launchers(session: nox.Session) -> None:
     """Ray Train, accelerate launch and the DeepSpeed launcher on torch 2.13.0: tests/test_launchers.py,
     which fails (instead of skipping) where one is missing."""
     env = {"LAUNCHERS_REQUIRED": "1", "TORCH_EXTENSIONS_DIR": os.path.join(session.virtualenv.location, "torch_extensions")}
-    _run_suite(session, DEFAULT_TORCH, extra=tuple(LAUNCHERS), tests=("tests/test_launchers.py",), env=env)
+    _run_suite(session, DEFAULT_TORCH, extra=tuple(LAUNCHERS), tests=("tests/test_launchers.py",), env=env,
+               xdist=XDIST_BY_TEST)
 
 
 @nox.session

@@ -11,9 +11,11 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -189,6 +191,29 @@ def newest_torch_cached(program: str, compute: Callable[[], Any]) -> Any:
         cached = {"value": compute()}
         _PYTEST_CACHE.set(f"torchpatch/newest-torch/{key}", cached)
     return cached["value"]
+
+
+def newest_torch_files(program: str, make: Callable[[Path], Any], tmp_path_factory: pytest.TempPathFactory,
+                       ) -> Tuple[Path, Any]:
+    """Files torch 2.15.0 natively writes, and a JSON-able value: ``make(folder)`` fills an empty
+    ``folder`` by running ``program`` (the text of what it runs: the files and the value are a function of
+    it and the torch) and returns the value. Made once per checkout, as newest_torch_cached's values are
+    (in pytest's cache; the sessions of other torches read the same folder, which no test may write
+    into); a new folder in each session where the cache is off."""
+    if _PYTEST_CACHE is None:
+        folder = tmp_path_factory.mktemp("newest-torch-files")
+        return folder, make(folder)
+    root = Path(_PYTEST_CACHE.mkdir("torchpatch-newest-torch-files"))
+    done = root / hashlib.sha256(f"{_newest_torch_version()}\0{program}".encode()).hexdigest()[:32]
+    if not (done / "value.json").exists():
+        work = Path(tempfile.mkdtemp(dir=root, prefix="making-"))  # complete, then renamed: never seen half made
+        (work / "files").mkdir()
+        (work / "value.json").write_text(json.dumps(make(work / "files")))
+        try:
+            os.rename(work, done)
+        except OSError:  # another worker or session made it first
+            shutil.rmtree(work, ignore_errors=True)
+    return done / "files", json.loads((done / "value.json").read_text())
 
 
 @functools.lru_cache(maxsize=None)

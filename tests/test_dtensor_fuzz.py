@@ -10,12 +10,18 @@ a wrong one, and never fail on one rank only; the 2.15.0 session checks that the
 what 2.15.0 does. A long run, by category, is ``tools/dtensor_fuzz.py compare`` (docs/silent-bugs.md,
 "Silent wrong results")."""
 
+import itertools
 import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import PATCH_TORCH, REPO, clean_env, only_torch, torch_matches
 from torchpatch import _versions
+
+sys.path.insert(0, str(REPO / "tools"))
+import dtensor_fuzz  # noqa: E402
 
 FUZZ = [sys.executable, str(REPO / "tools" / "dtensor_fuzz.py"), "check", "--python", sys.executable]
 # The last DTensor correctness patch whose range ends: where it (and the ones ending before it) applies,
@@ -45,3 +51,15 @@ def test_every_corpus_program_gives_what_torch_2_15_gives_with_torchpatch():
 def test_the_corpus_is_what_torch_2_15_does_natively():
     proc = _check("--native")
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+
+
+@pytest.mark.torch_independent
+def test_the_rule_needs_no_native_run_of_a_program_right_with_torchpatch():
+    """``check`` runs natively only the programs whose TORCHPATCH=1 outcome is not ``right``: whatever
+    such a program did natively and whatever 2.15.0 does, a right outcome never breaks the rule."""
+    kinds = ["right", "wrong", "split", "invalid", "error:RuntimeError", "error:ValueError", "missing"]
+    for native, oracle in itertools.product(kinds, kinds[:-1]):
+        category = dtensor_fuzz.category(native, "right", oracle)
+        assert category not in dtensor_fuzz.BAD and (native == "missing" or "missing" not in category)
+        assert dtensor_fuzz.breaks_rule({}, {0: "right"}, {0: oracle}) == []  # not run natively: not missing
+    assert [dtensor_fuzz.needs_native(kind) for kind in kinds] == [False] + [True] * (len(kinds) - 1)

@@ -218,6 +218,9 @@ def test_deepspeed_two_nodes_without_ssh(tmp_path):
     assert_reported(proc, tmp_path / "reports", launchers=4)  # each node's runner and launch
 
 
+RAY_ALONE = pytest.mark.xdist_group("ray")  # one local Ray cluster at a time (the launchers session runs test by test)
+
+
 def ray_cmd(script: Path, tmp_path: Path, env_vars: Dict[str, str]) -> List[Any]:
     return [sys.executable, script, tmp_path / "out", tmp_path / "ray_results", json.dumps(env_vars)]
 
@@ -227,12 +230,14 @@ def ray_env() -> Dict[str, str]:
     return clean_env(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS=None)
 
 
+@RAY_ALONE
 def test_ray_train_native_failure(tmp_path):
     need("ray.train.torch")
     script = job_script(tmp_path, RAY_MAIN)
     assert_failed_natively(run(ray_env(), ray_cmd(script, tmp_path, {})), tmp_path)
 
 
+@RAY_ALONE
 def test_ray_train_every_worker_patched_through_runtime_env(tmp_path):
     need("ray.train.torch")
     script = job_script(tmp_path, RAY_MAIN)

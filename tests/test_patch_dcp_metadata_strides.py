@@ -17,7 +17,6 @@ raising); with TORCHPATCH=1 on torch 2.15 (and below 2.3) nothing is patched.
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 from typing import Dict
@@ -25,8 +24,8 @@ from typing import Dict
 import pytest
 
 import forkserver
-from conftest import (LEAVE_WITHOUT_TEARDOWN, NEWEST_TORCH_PYTHON, RESULT, clean_env, launch, ranks_result,
-                      rank_result, run_json, run_newest_torch_json, run_py, through_patch_range,
+from conftest import (LEAVE_WITHOUT_TEARDOWN, NEWEST_TORCH_PYTHON, RESULT, clean_env, launch, newest_torch_files,
+                      ranks_result, rank_result, run_json, run_newest_torch_json, through_patch_range,
                       where_patch_applies, where_patch_does_not_apply)
 
 PATCH_ID = "dcp-metadata-strides"
@@ -143,17 +142,22 @@ print(json.dumps({"metadata": metadata, "load": load}))
 
 @pytest.fixture(scope="module")
 def saved_by_215(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
-    """Torch 2.15's checkpoints (one process and 2 ranks) in a folder, with the strides it recorded."""
-    folder = tmp_path_factory.mktemp("saved_by_215")
+    """Torch 2.15's checkpoints (one process and 2 ranks) in a folder, with the strides it recorded: made
+    once per checkout (conftest.newest_torch_files), read by every session's tests."""
+    folder, strides = newest_torch_files(SAVE_ONE_PROCESS + SAVE_RANKS, _save_by_215, tmp_path_factory)
+    return {"folder": str(folder), **strides}
+
+
+def _save_by_215(folder: Path) -> Dict[str, object]:
     one_process = run_newest_torch_json(SAVE_ONE_PROCESS, str(folder))
-    script = folder / "save_ranks.py"
+    script = folder.parent / "save_ranks.py"
     script.write_text(SAVE_RANKS)
     ranks = launch(str(script), 2, args=[str(folder)], env=clean_env(), python=str(NEWEST_TORCH_PYTHON), timeout=240,
                    popen=forkserver.popen)
     proc = subprocess.CompletedProcess([str(script)], max(abs(r.returncode) for r in ranks),
                                        "".join(r.stdout or "" for r in ranks), "".join(r.stderr or "" for r in ranks))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"folder": str(folder), "one_process": one_process, "ranks": rank_result(proc)}
+    return {"one_process": one_process, "ranks": rank_result(proc)}
 
 
 def _served_env() -> Dict[str, str]:

@@ -1,8 +1,8 @@
-"""One rank of a ``tools/dtensor_fuzz.py`` job: runs programs ``START..END`` of a seed, each on
+"""One rank of a ``tools/dtensor_fuzz.py`` job: runs programs ``PROGRAMS`` (their numbers, comma-separated) of a seed, each on
 DTensors and on full tensors, and writes one JSON line per program to ``OUT.0`` (a rank that finds its
 peer stuck writes ``hang`` to ``OUT.<rank>`` and leaves).
 
-    RANK=r PORT=p python tools/dtensor_fuzz_worker.py SEED START END OUT WAIT_S
+    RANK=r PORT=p python tools/dtensor_fuzz_worker.py SEED PROGRAMS OUT WAIT_S
 
 After each program both ranks meet in the TCP store (not in a collective): each posts its outcome and
 waits for the other's. A program that raises on one rank only leaves the other inside a collective;
@@ -219,14 +219,14 @@ def _words(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def main(seed: int, start: int, end: int, out: str, wait_s: float) -> None:
+def main(seed: int, programs: List[int], out: str, wait_s: float) -> None:
     rank, port = int(os.environ["RANK"]), int(os.environ["PORT"])
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2,
                             timeout=timedelta(seconds=600))
     meshes = {str(s): DeviceMesh("cpu", torch.arange(2).reshape(s)) for s in ([2], [2, 1], [1, 2])}
     with open(f"{out}.{rank}", "a") as f:
-        for i in range(start, end):
+        for i in programs:
             mine = outcome(draw(seed, i), meshes, rank)
             store.set(f"{i}/{rank}", json.dumps(mine))
             try:
@@ -270,4 +270,4 @@ def _leave(store: Any, rank: int, code: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], float(sys.argv[5]))
+    main(int(sys.argv[1]), [int(i) for i in sys.argv[2].split(",")], sys.argv[3], float(sys.argv[4]))
