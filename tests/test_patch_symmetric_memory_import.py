@@ -2,7 +2,9 @@
 
 Natively 2.4 has no such module (``ModuleNotFoundError``). With the patch the module imports (as torchtitan
 0.3.0's MoE code does at module level) with torch 2.15's public names (those of its venv's module, read in
-the same test), and calling any of them raises ``NotImplementedError`` naming symmetric memory's C++ piece.
+the same test): its availability probes (``is_nvshmem_available``, ``is_symm_mem_enabled_for_group``,
+``is_symm_mem_tensor``) answer False, as 2.15 does where the piece is missing, and calling any other function
+raises ``NotImplementedError`` naming symmetric memory's C++ piece.
 """
 
 from conftest import clean_env, run_json, run_newest_torch_json, run_py, where_patch_applies
@@ -13,8 +15,8 @@ import torch.distributed._symmetric_memory as symm_mem
 out = {}
 for name in symm_mem.__all__ + ["enable_symm_mem_for_group", "is_symm_mem_enabled_for_group"]:
     try:
-        getattr(symm_mem, name)(torch.empty(1))
-        out[name] = "returned"
+        args = () if name == "is_nvshmem_available" else ("0",) if name.endswith("_for_group") else (torch.empty(1),)
+        out[name] = getattr(symm_mem, name)(*args)
     except NotImplementedError as exc:
         out[name] = "C++ SymmetricMemory" in str(exc) and "torch >= 2.5" in str(exc)
 print(json.dumps({"all": sorted(symm_mem.__all__), "calls": out}))
@@ -28,8 +30,11 @@ def test_native_module_not_found():
 
 
 @where_patch_applies("symmetric-memory-import")
-def test_imports_with_the_newest_names_and_refuses_every_call():
+def test_imports_with_the_newest_names_answers_absent_and_refuses_every_other_call():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     newest = run_newest_torch_json("import json, torch.distributed._symmetric_memory as m; print(json.dumps(sorted(m.__all__)))")
     assert out["all"] == newest
-    assert set(out["calls"].values()) == {True}, out["calls"]
+    probes = {"is_nvshmem_available", "is_symm_mem_enabled_for_group", "is_symm_mem_tensor"}
+    assert {name: out["calls"][name] for name in probes} == dict.fromkeys(probes, False)
+    assert {name: refused for name, refused in out["calls"].items() if name not in probes} == dict.fromkeys(
+        set(out["calls"]) - probes, True), out["calls"]
