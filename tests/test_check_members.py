@@ -36,7 +36,7 @@ def rows(data):
     return {r["name"]: r for r in data["rows"]}
 
 
-def test_mesh_flatten_is_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
+def test_mesh_flatten_and_unflatten_are_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
     data = report(MEMBERS, "--torch", "2.4.1")
     found = rows(data)
     flatten = found[f"{MESH}._flatten"]  # mesh["dp_shard", "cp"]._flatten("dp"): the slice of a mesh is a mesh
@@ -49,9 +49,11 @@ def test_mesh_flatten_is_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
     assert stage["kind"] == "unresolved" and stage["locations"] == [{"file": "members/parallel.py", "line": 25}]
     assert stage["note"].startswith("missing required argument 'input_args': torch 2.4.1's __init__ is (self, submodule,")
     assert "2.4.1" not in stage["exists_in"] and "2.13.0" in stage["exists_in"]
-    unflatten = found[f"{MESH}._unflatten"]  # behind hasattr(mesh, "_unflatten")
-    assert unflatten["kind"] == "guarded" and unflatten["guards"] == [
-        'if hasattr(mesh, "_unflatten") (members/parallel.py:19)']
+    guard = ['if hasattr(mesh, "_unflatten") (members/parallel.py:19)']
+    unflatten = found[f"{MESH}._unflatten"]  # behind hasattr(mesh, "_unflatten"), served on 2.4 (torchtitan 0.2.2/0.3.0)
+    assert (unflatten["kind"], unflatten["patches"], unflatten["guards"]) == ("patched", ["device-mesh-unflatten"], guard)
+    off = rows(report(MEMBERS, "--torch", "2.4.1", env=clean_env(TORCHPATCH_DEVICE_MESH_UNFLATTEN="0")))
+    assert (off[f"{MESH}._unflatten"]["kind"], off[f"{MESH}._unflatten"]["guards"]) == ("guarded", guard)
     # what 2.4 has: methods (get_local_rank came with 2.2), and what __init__ keeps on the instance
     for member in ("get_local_rank", "get_group", "size", "device_type", "mesh_dim_names"):
         assert found[f"{MESH}.{member}"]["kind"] == "native", member

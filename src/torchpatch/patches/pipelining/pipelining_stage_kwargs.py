@@ -1,5 +1,5 @@
 """pipelining-stage-kwargs: the keyword inputs a schedule's ``step`` is given reach every stage's
-module, not only the first's, on torch 2.4.
+module, not only the first's, on torch 2.4-2.5.
 
 What breaks:   code written for torch >= 2.5 hands every pipeline stage the microbatch's keyword
                inputs (torchtitan 0.3: ``pp_schedule.step(kwarg_mbs=[{"attention_masks": block_mask,
