@@ -185,7 +185,7 @@ def newest_torch_cached(program: str, compute: Callable[[], Any]) -> Any:
     create_block_mask's compiled masks). Keyed by the program and the 2.15 venv's torch version."""
     if _PYTEST_CACHE is None:
         return compute()
-    key = hashlib.sha256(f"{_newest_torch_version()}\0{program}".encode()).hexdigest()
+    key = _newest_torch_key(program)
     cached = _PYTEST_CACHE.get(f"torchpatch/newest-torch/{key}", None)
     if cached is None:
         cached = {"value": compute()}
@@ -204,7 +204,7 @@ def newest_torch_files(program: str, make: Callable[[Path], Any], tmp_path_facto
         folder = tmp_path_factory.mktemp("newest-torch-files")
         return folder, make(folder)
     root = Path(_PYTEST_CACHE.mkdir("torchpatch-newest-torch-files"))
-    done = root / hashlib.sha256(f"{_newest_torch_version()}\0{program}".encode()).hexdigest()[:32]
+    done = root / _newest_torch_key(program)[:32]
     if not (done / "value.json").exists():
         work = Path(tempfile.mkdtemp(dir=root, prefix="making-"))  # complete, then renamed: never seen half made
         (work / "files").mkdir()
@@ -214,6 +214,12 @@ def newest_torch_files(program: str, make: Callable[[Path], Any], tmp_path_facto
         except OSError:  # another worker or session made it first
             shutil.rmtree(work, ignore_errors=True)
     return done / "files", json.loads((done / "value.json").read_text())
+
+
+def _newest_torch_key(program: str) -> str:
+    """What newest_torch_cached and newest_torch_files keep ``program``'s result under: the program's text
+    and the 2.15 venv's torch version."""
+    return hashlib.sha256(f"{_newest_torch_version()}\0{program}".encode()).hexdigest()
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,7 +150,7 @@ def saved_by_215(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, object]:
 
 def _save_by_215(folder: Path) -> Dict[str, object]:
     one_process = run_newest_torch_json(SAVE_ONE_PROCESS, str(folder))
-    script = folder.parent / "save_ranks.py"
+    script = folder / "save_ranks.py"
     script.write_text(SAVE_RANKS)
     ranks = launch(str(script), 2, args=[str(folder)], env=clean_env(), python=str(NEWEST_TORCH_PYTHON), timeout=240,
                    popen=forkserver.popen)

@@ -30,7 +30,7 @@ from conftest import clean_env, launch, where_patch_applies, where_patch_does_no
 pytestmark = pytest.mark.fresh_interpreter  # a hang in interpreter-level teardown
 
 SCRIPT = """
-import json, mmap, os, sys, time, torch, torch.distributed as dist
+import json, mmap, os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 rank, store = dist.get_rank(), dist.distributed_c10d._get_default_store()
 with open(os.environ["GLOO_DESTROY_FLAGS"], "r+b") as f:

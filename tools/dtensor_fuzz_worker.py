@@ -1,6 +1,6 @@
-"""One rank of a ``tools/dtensor_fuzz.py`` job: runs programs ``PROGRAMS`` (their numbers, comma-separated) of a seed, each on
-DTensors and on full tensors, and writes one JSON line per program to ``OUT.0`` (a rank that finds its
-peer stuck writes ``hang`` to ``OUT.<rank>`` and leaves).
+"""One rank of a ``tools/dtensor_fuzz.py`` job: runs programs ``PROGRAMS`` (their numbers,
+comma-separated) of a seed, each on DTensors and on full tensors, and writes one JSON line per program
+to ``OUT.0`` (a rank that finds its peer stuck writes ``hang`` to ``OUT.<rank>`` and leaves).
 
     RANK=r PORT=p python tools/dtensor_fuzz_worker.py SEED PROGRAMS OUT WAIT_S
 
