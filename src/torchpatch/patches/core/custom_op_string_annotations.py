@@ -18,7 +18,7 @@ Upstream:      https://github.com/pytorch/pytorch/tree/v2.5.0/torch/_library/inf
 
 import inspect
 import typing
-from types import GenericAlias, ModuleType
+from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Error, Patch, Patcher
@@ -64,7 +64,7 @@ def _resolve(annotation: Any, scope: Dict[str, Any], sig: inspect.Signature) -> 
     alias = getattr(typing, getattr(annotation, "_name", "") or "", None)
     if alias is not None:
         return alias[args if len(args) > 1 else args[0]], True
-    return GenericAlias(origin, args), True
+    return type(annotation)(origin, args), True  # list[...] and the like: types.GenericAlias (3.9+)
 
 
 def _with_types(func: Callable[..., Any]) -> Callable[..., Any]:
