@@ -11,14 +11,16 @@ the training runs (which fill the cores), not after them.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import survey
-from conftest import TORCH, torch_matches
+from conftest import TORCH, clean_env, torch_matches
 from test_torchtitan import RELEASES
 
 pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHTITAN_TEST_RELEASES)")
@@ -76,3 +78,25 @@ def test_every_module_imports(result, release, spec):
     pkg = next(p for n, p in result.packages.items() if _release(n) == release)
     ok, total = pkg.rate("on")
     assert ok == total, {m: r.error for m, r in pkg.failures("on").items()}
+
+
+# what ``torchpatch check`` of each release leaves unresolved on torch 2.4 (the oldest torch 0.2.2 and 0.3.0 train
+# on), each name with the configuration that reaches it: none is on the path the docs table's runs train
+CHECKED = (">=2.4,<2.5", Path(__file__).parent / "fixtures" / "torchtitan_check_24.json")
+
+
+@pytest.mark.parametrize("release", ["0.1.0", "0.2.2", "0.3.0"])
+def test_check_leaves_unresolved_only_what_no_run_reaches(release):
+    """``torchpatch check`` agrees with the runs: what it cannot resolve is what the declared list names
+    (configurations the runs do not use), no more (a new gap on the trained path) and no less (a stale entry)."""
+    spec, fixture = CHECKED
+    if release not in RELEASES or not torch_matches(spec):
+        pytest.skip(f"torchtitan {release}'s check is recorded for torch {spec}")
+    package = Path(RELEASES[release]) / "torchtitan"
+    paths = sorted(str(p) for p in package.iterdir() if p.name not in ("experiments", "__pycache__"))
+    proc = subprocess.run([sys.executable, "-m", "torchpatch", "check", "--json", *paths], capture_output=True,
+                          text=True, timeout=300, env=clean_env())
+    assert proc.returncode in (0, 1), proc.stderr
+    unresolved = {row["name"] for row in json.loads(proc.stdout)["rows"] if row["kind"] == "unresolved"}
+    declared = set(json.loads(fixture.read_text())[release])
+    assert unresolved == declared, {"not declared": sorted(unresolved - declared), "stale": sorted(declared - unresolved)}

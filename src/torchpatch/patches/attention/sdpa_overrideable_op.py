@@ -36,6 +36,7 @@ PATCH = Patch(
 )
 
 NAME = "_scaled_dot_product_fused_attention_overrideable"
+PATCH.sets("torch.ops.aten", (NAME,))  # for ``torchpatch check``: define_operator makes it
 SCHEMA = (f"{NAME}(Tensor query, Tensor key, Tensor value, Tensor? attn_bias=None, float dropout_p=0.0, "
           "bool is_causal=False, bool return_debug_mask=False, *, float? scale=None) -> (Tensor output, "
           "Tensor logsumexp, Tensor cum_seq_q, Tensor cum_seq_k, SymInt max_q, SymInt max_k, Tensor philox_seed, "
