@@ -13,30 +13,15 @@ fsdp2-gloo-divide-factor's sum-then-divide).
 from conftest import (
     clean_env, gathered_tail, patch_applies_here, ranks_result, through_patch_range, where_patch_applies
 )
+from fsdp2_scripts import SUMMED_GRADS, head
 
 PATCH_ID = "fsdp2-gradient-divide-factor"
 
-RANKS = """
-import copy, datetime, json, sys, torch, torch.nn as nn, torch.distributed as dist
-# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
-from torch.distributed._composable.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,))
-torch.manual_seed(0)
+RANKS = head() + """
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 5))
 xs, ys = torch.randn(W, 6, 8), torch.randn(W, 6, 5)
-
-# the reference: every rank's own gradient, computed on one process, summed
-summed = [torch.zeros_like(p) for p in model.parameters()]
-for r in range(W):
-    m = copy.deepcopy(model)
-    nn.functional.mse_loss(m(xs[r]), ys[r]).backward()
-    summed = [a + p.grad for a, p in zip(summed, m.parameters())]
-
-def rel_diff(got, want):
-    return max(float(((g - w).abs() / w.abs().clamp_min(1e-3)).max()) for g, w in zip(got, want))
+""" + SUMMED_GRADS + """
+summed = summed_grads()  # the reference: every rank's own gradient, computed on one process, summed
 
 def sharded_grads(factor, where):
     m = copy.deepcopy(model)

@@ -20,17 +20,9 @@ from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, gathered_tail, patch_applies_here, ranks_result,
     through_patch_range, where_patch_applies
 )
+from fsdp2_scripts import TRAIN_AGAINST_REFERENCE, head
 
-PREAMBLE = """
-import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
-from torch.distributed._composable.fsdp import FSDPModule, fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,))
-torch.manual_seed(0)
-
+PREAMBLE = head("FSDPModule, fully_shard") + """
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -46,17 +38,7 @@ def loss(m, r):
     return nn.functional.mse_loss(m(x[r]), y[r])
 """
 
-RANKS = PREAMBLE + """
-ref = copy.deepcopy(model)  # the reference: one process, every rank's batch, the mean of the losses
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-ref_losses = []
-for _ in range(3):
-    ref_opt.zero_grad()
-    total = sum(loss(ref, r) for r in range(W)) / W
-    ref_losses.append(float(total))
-    total.backward()
-    ref_opt.step()
-
+RANKS = PREAMBLE + TRAIN_AGAINST_REFERENCE + """
 m = copy.deepcopy(model)
 fully_shard(m.mid, mesh=mesh)
 listed = [m.norm, m.out]
@@ -64,18 +46,7 @@ returned = fully_shard(listed, mesh=mesh)
 fully_shard(m, mesh=mesh)
 out = {"returned_the_list": returned is listed,
        "fsdp_modules": [isinstance(module, FSDPModule) for module in (m.mid, m.norm, m.out)]}
-opt = torch.optim.SGD(m.parameters(), lr=0.5)
-losses = []
-for _ in range(3):
-    opt.zero_grad()
-    mine = loss(m, rank)
-    mine.backward()
-    total = mine.detach().clone()
-    dist.all_reduce(total)
-    losses.append(float(total) / W)
-    opt.step()
-out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-out["param_diff"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(m.parameters(), ref.parameters()))
+out.update(train_against_reference(m, rank, W))  # 3 SGD steps, each rank on its batch
 
 def sharded(module):  # whether the module's registered parameters are FSDP's sharded DTensors
     return [type(p).__name__ == "DTensor" for p in module.parameters()]
@@ -85,7 +56,7 @@ out["after_unshard"] = {"mid": sharded(m.mid), "norm": sharded(m.norm), "out": s
 m.norm.reshard()
 out["after_reshard"] = sharded(m.out)
 m.norm.set_requires_gradient_sync(False, recurse=False)  # the group's gradients stay unreduced
-opt.zero_grad(set_to_none=True)
+m.zero_grad(set_to_none=True)
 loss(m, rank).backward()
 out["grad_set_without_sync"] = {name: p.grad is not None for name, p in m.named_parameters()}
 """

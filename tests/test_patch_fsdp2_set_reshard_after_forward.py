@@ -16,69 +16,41 @@ backward or not, the values are the same). A value that is not a bool raises tor
 from conftest import (
     clean_env, gathered_tail, patch_applies_here, ranks_result, through_patch_range, where_patch_applies
 )
+from fsdp2_scripts import TRAIN_AGAINST_REFERENCE, head
 
 PATCH_ID = "fsdp2-set-reshard-after-forward"
 
-RANKS = """
-import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
-from torch.distributed._composable.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,))
-torch.manual_seed(0)
+RANKS = head() + """
 model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 5)).double()
 x, y = torch.randn(W, 3, 4, dtype=torch.float64), torch.randn(W, 3, 5, dtype=torch.float64)
 
 def loss(m, r):
     return nn.functional.mse_loss(m(x[r]), y[r])
-
-ref = copy.deepcopy(model)  # the reference: one process, every rank's batch, the mean of the losses
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-ref_losses = []
-for _ in range(3):
-    ref_opt.zero_grad()
-    total = sum(loss(ref, r) for r in range(W)) / W
-    ref_losses.append(float(total))
-    total.backward()
-    ref_opt.step()
-
+""" + TRAIN_AGAINST_REFERENCE + """
 m = copy.deepcopy(model)
 fully_shard(m[0], mesh=mesh)
 fully_shard(m[2], mesh=mesh)
 fully_shard(m, mesh=mesh)
-opt = torch.optim.SGD(m.parameters(), lr=0.5)
 out = {"sharded_after_forward": []}
 try:
     m.set_reshard_after_forward(1)
 except ValueError as exc:
     out["not_a_bool"] = str(exc)
-losses = []
-for step in range(3):
+
+def before_forward(step):
     if step == 1:
         m.set_reshard_after_forward(False)
     if step == 2:
         m[2].set_reshard_after_forward(True, recurse=False)
-    opt.zero_grad()
-    mine = loss(m, rank)
+
+def after_forward(step):
     out["sharded_after_forward"].append([type(m[i].weight).__name__ == "DTensor" for i in (0, 2)])
-    mine.backward()
-    total = mine.detach().clone()
-    dist.all_reduce(total)
-    losses.append(float(total) / W)
-    opt.step()
-out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-out["param_diff"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(m.parameters(), ref.parameters()))
+
+out.update(train_against_reference(m, rank, W, before_forward=before_forward, after_forward=after_forward))
 """
 
-NATIVE = """
-import datetime, json, torch, torch.nn as nn, torch.distributed as dist
-# FSDP2's first home (2.4), still the same objects in 2.15 (torch.distributed.fsdp's from 2.6)
-from torch.distributed._composable.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-layer = fully_shard(nn.Linear(4, 4), mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+NATIVE = head() + """
+layer = fully_shard(nn.Linear(4, 4), mesh=mesh)
 try:
     layer.set_reshard_after_forward(False)
     out = {"error": None}

@@ -14,6 +14,7 @@ shared root. Where the patch applies, DP and TP meshes of unrelated meshes still
 from conftest import (
     clean_env, gathered_tail, patch_applies_here, ranks_result, through_patch_range, where_patch_applies
 )
+from fsdp2_scripts import TRAIN_AGAINST_REFERENCE
 
 PATCH_ID = "fsdp2-unflattened-meshes"
 
@@ -45,16 +46,7 @@ x, y = torch.randn(2, 5, 4, dtype=torch.float64), torch.randn(2, 5, 3, dtype=tor
 
 def loss(m, d):
     return nn.functional.mse_loss(m(x[d]), y[d])
-
-ref = copy.deepcopy(model)  # the reference: one process, both data-parallel ranks' batches, the mean
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-ref_losses = []
-for _ in range(3):
-    ref_opt.zero_grad()
-    total = (loss(ref, 0) + loss(ref, 1)) / 2
-    ref_losses.append(float(total))
-    total.backward()
-    ref_opt.step()
+""" + TRAIN_AGAINST_REFERENCE + """
 
 def fsdp_tp(tp_mesh, dp_mesh):
     m = copy.deepcopy(model)
@@ -67,19 +59,8 @@ def fsdp_tp(tp_mesh, dp_mesh):
 
 out = {}
 m, out["error"] = fsdp_tp(tp_mesh, dp_mesh)
-if m is not None:
-    opt = torch.optim.SGD(m.parameters(), lr=0.5)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        mine = loss(m, dp)
-        mine.backward()
-        total = mine.detach().clone()
-        dist.all_reduce(total, group=dp_mesh.get_group())
-        losses.append(float(total) / 2)
-        opt.step()
-    out["loss_diff"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-    out["param_diff"] = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(m.parameters(), ref.parameters()))
+if m is not None:  # 3 SGD steps, each data-parallel rank on its batch
+    out.update(train_against_reference(m, dp, 2, group=dp_mesh.get_group()))
 if UNRELATED:  # DP and TP meshes of two meshes made apart
     other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
     out["unrelated"] = fsdp_tp(tp_mesh, other["fsdp"])[1]
