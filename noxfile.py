@@ -61,17 +61,17 @@ MATRIX: dict[str, list[str]] = {
 # The newest torch a machine-wide pip constraint may allow; newer ones install with pip's config off.
 CONSTRAINED_ABOVE = Version("2.14.1")
 
-# torchtitan release -> the torches whose sessions import and train it (tests/test_torchtitan.py): 0.1.0 on
-# 2.4 and 2.9 (where its patches apply) and 2.15 (the newest); 0.2.2 and 0.3.0 on 2.9 (where theirs apply) and
-# on 2.13 (fsdp2-spmd-types, fsdp2-gloo-divide-factor) in a session of their own, which trains them and
-# surveys their imports. An import survey (each module with TORCHPATCH=1, natively those that fail with it)
-# costs 20-30 s a torch for 0.1.0's 33 modules, 2.8 min beside the training runs for 0.2.2's and 0.3.0's 270,
-# so it runs where it tells something (not in the 2.9.0
-# session, which trains all three). Each is
-# installed without dependencies into a directory of its own under the venv cache (shared by the sessions:
-# pure Python); its light dependencies go into the session's venv. torchdata, spmd_types and
+# torchtitan release -> the torches whose sessions train it (tests/test_torchtitan.py): 0.1.0 on 2.4 and 2.9
+# (where its patches apply) and 2.15 (the newest); 0.2.2 and 0.3.0 on 2.4 (the oldest torch they train on)
+# and 2.9 (where theirs apply), and on 2.13 (fsdp2-spmd-types, fsdp2-gloo-divide-factor) in a session of
+# their own, which trains them and surveys their imports. An import survey (each module with TORCHPATCH=1,
+# natively those that fail with it) costs 20-30 s a torch for 0.1.0's 33 modules, 2.8 min beside the training
+# runs for 0.2.2's and 0.3.0's 270, so it runs where it tells something (tests/test_torchtitan_imports.py's
+# SURVEYED). Each is installed without dependencies into a directory of its own under the venv cache (shared
+# by the sessions: pure Python); its light dependencies go into the session's venv. torchdata, spmd_types and
 # torch_checkpointing require a torch of their own choosing: installed without dependencies.
-TORCHTITAN = {"0.1.0": ("2.4.1", "2.9.0", "2.15.0"), "0.2.2": ("2.9.0", "2.13.0"), "0.3.0": ("2.9.0", "2.13.0")}
+TORCHTITAN = {"0.1.0": ("2.4.1", "2.9.0", "2.15.0"), "0.2.2": ("2.4.1", "2.9.0", "2.13.0"),
+              "0.3.0": ("2.4.1", "2.9.0", "2.13.0")}
 # torchtitan 0.2/0.3 import Triton kernels at module level; torch 2.13.0's CUDA builds bring this Triton,
 # its CPU wheel (this machine's default torch) does not.
 TORCHTITAN_TRITON = "triton==3.7.1"

@@ -334,10 +334,11 @@ def _process_kind(request: pytest.FixtureRequest):
     forkserver.allowed = True
 
 
-# The torch minor versions of CI's sessions (noxfile.py's MATRIX and its DEFAULT_TORCH), and the installed one.
+# The torch minor versions of CI's sessions (noxfile.py's MATRIX, whose entries are lists, and its DEFAULT_TORCH),
+# and the installed one.
 _NOXFILE = (REPO / "noxfile.py").read_text()
 DEFAULT_MINOR = _versions.release(re.search(r'^DEFAULT_TORCH = "([\d.]+)"', _NOXFILE, re.M).group(1))[:2]
-MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(r'^\s*"(\d+\.\d+\.\d+)"', _NOXFILE, re.M)}
+MATRIX_MINORS = sorted({_versions.release(v)[:2] for v in re.findall(r'^\s*"(\d+\.\d+\.\d+)": \[', _NOXFILE, re.M)}
                        | {DEFAULT_MINOR})
 TORCH_MINOR = tuple((_versions.release(TORCH) or ())[:2])
 # Set to 1 to run every patch's test file and every ``plumbing`` test on any torch (patch_file_runs_here).

@@ -36,7 +36,7 @@ def rows(data):
     return {r["name"]: r for r in data["rows"]}
 
 
-def test_mesh_flatten_is_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
+def test_mesh_flatten_unflatten_and_pipeline_stage_input_args_are_served_on_2_4():
     data = report(MEMBERS, "--torch", "2.4.1")
     found = rows(data)
     flatten = found[f"{MESH}._flatten"]  # mesh["dp_shard", "cp"]._flatten("dp"): the slice of a mesh is a mesh
@@ -45,19 +45,24 @@ def test_mesh_flatten_is_served_and_pipeline_stage_input_args_is_a_gap_on_2_4():
     no_flatten = rows(report(MEMBERS, "--torch", "2.4.1", env=clean_env(TORCHPATCH_DEVICE_MESH_FLATTEN="0")))
     assert no_flatten[f"{MESH}._flatten"]["kind"] == "unresolved"
     assert "2.4.1" not in no_flatten[f"{MESH}._flatten"]["exists_in"] and "2.13.0" in no_flatten[f"{MESH}._flatten"]["exists_in"]
-    stage = found[STAGE_INIT]  # input_args is required on 2.4; the call that passes it is fine
+    stage = found[STAGE_INIT]  # input_args is required on 2.4 (the call that passes it is fine), optional with a patch
+    assert (stage["kind"], stage["patches"]) == ("patched", ["pipeline-stage-inference"])  # declared with Patch.takes
+    assert stage["locations"] == [{"file": "members/parallel.py", "line": 25}]
+    stage = rows(report(MEMBERS, "--torch", "2.4.1", env=clean_env(TORCHPATCH_PIPELINE_STAGE_INFERENCE="0")))[STAGE_INIT]
     assert stage["kind"] == "unresolved" and stage["locations"] == [{"file": "members/parallel.py", "line": 25}]
     assert stage["note"].startswith("missing required argument 'input_args': torch 2.4.1's __init__ is (self, submodule,")
     assert "2.4.1" not in stage["exists_in"] and "2.13.0" in stage["exists_in"]
-    unflatten = found[f"{MESH}._unflatten"]  # behind hasattr(mesh, "_unflatten")
-    assert unflatten["kind"] == "guarded" and unflatten["guards"] == [
-        'if hasattr(mesh, "_unflatten") (members/parallel.py:19)']
+    guard = ['if hasattr(mesh, "_unflatten") (members/parallel.py:19)']
+    unflatten = found[f"{MESH}._unflatten"]  # behind hasattr(mesh, "_unflatten"), served on 2.4 (torchtitan 0.2.2/0.3.0)
+    assert (unflatten["kind"], unflatten["patches"], unflatten["guards"]) == ("patched", ["device-mesh-unflatten"], guard)
+    off = rows(report(MEMBERS, "--torch", "2.4.1", env=clean_env(TORCHPATCH_DEVICE_MESH_UNFLATTEN="0")))
+    assert (off[f"{MESH}._unflatten"]["kind"], off[f"{MESH}._unflatten"]["guards"]) == ("guarded", guard)
     # what 2.4 has: methods (get_local_rank came with 2.2), and what __init__ keeps on the instance
     for member in ("get_local_rank", "get_group", "size", "device_type", "mesh_dim_names"):
         assert found[f"{MESH}.{member}"]["kind"] == "native", member
     assert found["torch.distributed.pipelining.stage.PipelineStage.is_first"]["kind"] == "native"
     assert not [n for n in found if n.endswith(".submod")]  # an instance attribute no inventory records: no row
-    assert data["counts"]["unresolved"] == 1 and data["exit"] == 1
+    assert data["counts"]["unresolved"] == 0 and data["exit"] == 0
 
 
 def test_the_same_code_is_clean_on_2_13():
@@ -163,6 +168,10 @@ def test_signatures_as_inventories_record_them():
         "7 positional arguments, at most 6", "unexpected keyword argument 'nope'"]
     assert stage.problems(CallShape(2, (), star=True)) == []  # how many *args hold is not known
     assert stage.problems(CallShape(2, (), starstar=True)) == []  # nor which keywords **kwargs hold
+    served = stage.widened(["input_args=None", "get_mesh=None"])  # what patches add (Patch.takes)
+    assert served.problems(CallShape(4, ("get_mesh",))) == [] and served.problems(CallShape(5, ())) == []
+    assert served.text == "(self, submodule, stage_index, num_stages, device, input_args, output_args=None, *, get_mesh=None)"
+    assert served.problems(CallShape(4, ("dw_builder",))) == ["unexpected keyword argument 'dw_builder'"]
     assert Signature.parse("(a, b)").positional == ("b",)  # the first parameter is the instance
     assert Signature.parse("") is None and Signature.parse("()") is None
 

@@ -2,7 +2,7 @@
 
 One 8-rank job per torch (tests/cluster_shapes_program.py) does every part: (a) the 3-D meshes
 ("dp_replicate", "dp_shard", "tp") and ("pp", "dp", "tp"), their submeshes, ``_flatten`` (served on 2.4 by
-device-mesh-flatten) and ``_unflatten`` (served on 2.9 by device-mesh-unflatten), each group's ranks held to
+device-mesh-flatten) and ``_unflatten`` (served on 2.4-2.9 by device-mesh-unflatten), each group's ranks held to
 the row-major layout and proved by an all-reduce; (b, c) HSDP + TP (shape A) and two pipeline stages with
 FSDP2 + TP each (shape B), every gradient and updated weight equal bit for bit to one process's on the global
 batch (exact by construction: the program's docstring derives it); (d) a DCP save and load of a DTensor
@@ -11,9 +11,9 @@ placed (Replicate, Shard(0), Shard(1)) on the 3-D mesh.
 With ``TORCHPATCH=1`` on torch 2.4, 2.9 and 2.13 (2.14 lies between 2.13 and 2.15, both run: its session
 skips this job, CI's budget), natively on 2.15 (its own API the oracle: the same assertions). HSDP + TP,
 which 2.4.1's FSDP2 refuses (``NotImplementedError: Using TP with HSDP is not supported``), is served there
-by fsdp2-hsdp-tp. Torch 2.4 cannot do one part even with every patch, and the job asserts its error:
-``_unflatten``: 2.4's DeviceMesh has none (added in 2.10; device-mesh-unflatten serves it on 2.9 only):
-``AttributeError: 'DeviceMesh' object has no attribute '_unflatten'``.
+by fsdp2-hsdp-tp. ``_unflatten`` (torch 2.10) is served on 2.4 too since issue 42 (torchtitan 0.2.2 and
+0.3.0 build their meshes with it); before, the job asserted 2.4's ``AttributeError: 'DeviceMesh' object has
+no attribute '_unflatten'``.
 
 The comparison sees silent faults: on 2.4 with fsdp2-2d-state-dict switched off
 (``TORCHPATCH_FSDP2_2D_STATE_DICT=0``) the colwise stage's gradients and weights come out of
@@ -34,7 +34,6 @@ SHAPE = (2, 2, 2)
 WORLD = 8
 NAMES_A = ("dp_replicate", "dp_shard", "tp")
 NAMES_B = ("pp", "dp", "tp")
-NO_UNFLATTEN = torch_matches("<2.9")  # 2.10 added _unflatten, device-mesh-unflatten serves 2.9
 
 
 def coordinate(rank: int) -> Tuple[int, ...]:
@@ -88,10 +87,7 @@ def test_cluster_shapes(tmp_path) -> None:
     for rank, out in enumerate(ranks):
         for name, (spans, names) in MESHES.items():
             assert out["meshes"][name] == expected(rank, spans, names), (rank, name)
-        if NO_UNFLATTEN:
-            assert out["unflatten"] == {"error": "AttributeError: 'DeviceMesh' object has no attribute '_unflatten'"}
-        else:
-            assert out["unflatten"] == {name: expected(rank, *UNFLATTENED[name]) for name in UNFLATTENED}, rank
+        assert out["unflatten"] == {name: expected(rank, *UNFLATTENED[name]) for name in UNFLATTENED}, rank
 
         assert out["shape_a"].get("grads") == dict.fromkeys(PARAMS, True), (rank, out["shape_a"])
         assert out["shape_a"]["weights"] == dict.fromkeys(PARAMS, True), (rank, out["shape_a"])

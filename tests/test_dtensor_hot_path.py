@@ -73,7 +73,7 @@ def test_an_op_makes_no_call_into_torchpatch(counted, op):
 # dispatch's slow path (2.10+), each a few times a step; never a hook of every op.
 STEP_HOOKS = {
     "patches/dtensor/dtensor_stale_scalar_args.py:_live_scalars": "<2.9",
-    "patches/dtensor/dtensor_explicit_redistribution.py:observed": "==2.9.*",  # only where inputs move
+    "patches/dtensor/dtensor_explicit_redistribution.py:observed": "<2.10",  # only where inputs move
     "patches/collectives/funcol_autograd.py:_connected_wrap": "<2.13",
     "patches/collectives/funcol_autograd.py:autograd_kernel": "<2.5",  # 2.4: the kernel that skips the Function without grad
     "patches/collectives/funcol_autograd.py:setup_context": "<2.5",
@@ -87,7 +87,9 @@ STEP_HOOKS = {
 def test_a_tensor_parallel_step_calls_only_hooks_off_the_per_op_path(counted):
     allowed = {name for name, spec in STEP_HOOKS.items() if torch_matches(spec)}
     assert set(counted["tp_step"]) <= allowed, counted["tp_step"]
-    assert len(counted["tp_step"]) <= 5, counted["tp_step"]
+    # 2.4 (the most): each of the step's two redistributions calls _live_scalars and observed, its one
+    # all-reduce gloo_avg's and funcol-autograd's two hooks: 7 calls, none per op
+    assert len(counted["tp_step"]) <= 7, counted["tp_step"]
 
 
 @only_torch(">=2.4")

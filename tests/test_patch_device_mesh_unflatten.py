@@ -10,12 +10,16 @@ the flattened ``data["batch", "tp"]`` share the world mesh as root, those meshes
 FSDP over ``dense["fsdp"]`` of a model tensor-parallel over ``data["tp"]`` (FSDP's same-parent check)
 gives the gradients of the same model on one process. With TORCHPATCH=1 on torch 2.9 everything must
 equal what the same ranks report on torch 2.15 natively (run in its venv by the same test); natively 2.9
-has no ``_unflatten``.
+has no ``_unflatten``. On 2.4 each unflattened mesh is a root of its own: the roots differ from 2.15's (the
+rest as on 2.15; FSDP over one unflattening with TP over another through fsdp2-unflattened-meshes).
+One gloo process (world size 1) also unflattens its world mesh into torchtitan 0.2.2's four dimensions
+``(pp, batch, cp, tp)`` and reports the mesh, a two-name slice and an all-reduce over a dimension's group
+and the same three errors, equal to torch 2.15's native report.
 """
 
 from conftest import (
-    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, newest_torch_ranks_result, patch_applies_here, ranks_result,
-    through_patch_range, where_patch_applies
+    LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, free_port, newest_torch_ranks_result, patch_applies_here,
+    ranks_result, run_json, run_newest_torch_json, through_patch_range, torch_matches, where_patch_applies
 )
 
 RANKS = """
@@ -45,6 +49,8 @@ def root(mesh):
     if hasattr(mesh, "_get_root_mesh"):
         return mesh._get_root_mesh()
     from torch.distributed.device_mesh import _mesh_resources
+    if not hasattr(_mesh_resources, "get_root_mesh"):  # torch 2.4
+        return _mesh_resources.get_parent_mesh(mesh) or mesh
     return _mesh_resources.get_root_mesh(mesh)
 
 def fsdp_tp(dp_mesh, tp_mesh):
@@ -104,9 +110,50 @@ def test_native_has_no_unflatten(tmp_path):
 def test_unflatten_as_the_newest_torch(tmp_path):
     here = run(tmp_path, TORCHPATCH="1")
     newest = newest_torch_ranks_result(RANKS, nproc=4, tmp_path=tmp_path)
+    separate_roots = torch_matches("<2.5")  # 2.4: each unflattened mesh is a root of its own
     for mine, theirs in zip(here, newest):
         assert mine.pop("status") == ("applied" if patch_applies_here("device-mesh-unflatten") else None)
         theirs.pop("status")
+        if separate_roots:
+            roots = mine.pop("roots")
+            theirs.pop("roots")
+            assert roots == {"tp": False, "fsdp": False, "batch_tp": False}, roots
         assert mine == theirs
-    assert here[0]["roots"] == {"tp": True, "fsdp": True, "batch_tp": True}
+    if not separate_roots:
+        assert here[0]["roots"] == {"tp": True, "fsdp": True, "batch_tp": True}
+    # FSDP over one unflattening with TP over another (on 2.4 through fsdp2-unflattened-meshes)
     assert all(rank["fsdp_tp"] is True for rank in here), [rank["fsdp_tp"] for rank in here]
+
+
+ONE_PROCESS = """
+import json, os, sys
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo")
+world = init_device_mesh("cpu", (1,), mesh_dim_names=("world",))
+mesh = world._unflatten(0, (1, 1, 1, 1), ("pp", "batch", "cp", "tp"))
+out = {"mesh": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names), "tp": mesh["tp"].size(),
+       "batch_tp": list(mesh["batch", "tp"].mesh_dim_names)}
+t = torch.ones(1)
+dist.all_reduce(t, group=mesh["batch"].get_group())
+out["sum"] = t.item()
+errors = {}
+for name, call in {"product": lambda: world._unflatten(0, (2, 1), ("a", "b")),
+                   "name": lambda: world._unflatten("nope", (1,), ("a",)),
+                   "lengths": lambda: world._unflatten(0, (1, 1), ("a",))}.items():
+    try:
+        call()
+        errors[name] = None
+    except (ValueError, RuntimeError, AssertionError) as exc:
+        errors[name] = [type(exc).__name__, str(exc)]
+out["errors"] = errors
+print(json.dumps(out), flush=True)
+os._exit(0)
+"""
+
+
+@where_patch_applies("device-mesh-unflatten")
+def test_one_process_unflattens_as_torchtitan_0_2_2():
+    here = run_json(ONE_PROCESS, args=[str(free_port())], env=clean_env(TORCHPATCH="1"))
+    assert here == run_newest_torch_json(ONE_PROCESS, str(free_port()))

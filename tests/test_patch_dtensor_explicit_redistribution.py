@@ -5,7 +5,7 @@ On 2 ranks (gloo), DTensor ops that redistribute an argument run inside the cont
 a matmul of a row-sharded and a column-sharded DTensor (one is all-gathered). Each is run with
 ``mode="raise"``, ``strict=True``, ``mode="warn"``, nested ``enable=False``, and outside any context;
 the outcome (the values against the plain tensors', or the error's type and its first words) must be
-what torch 2.15 gives natively (run in its venv by the same test). Torch 2.9 natively lacks the name
+what torch 2.15 gives natively (run in its venv by the same test). Torch 2.4 and 2.9 natively lack the name
 (``ImportError``, which stops the spmd_types package).
 """
 
@@ -17,7 +17,10 @@ from conftest import (
 RANKS = """
 import datetime, json, logging, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+try:
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+except ImportError:  # torch 2.4 natively
+    from torch.distributed._tensor import Replicate, Shard, distribute_tensor
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 torch.manual_seed(0)

@@ -149,10 +149,10 @@ for name, (kwargs, allowed, score, kk, vv) in grad_cases.items():
         out["backward"][name] = public
     if SERVED:  # the computation the served flex_attention runs once its inputs are checked (on CUDA, say)
         from torchpatch.patches.attention._flex.attention import _attention
-        from torchpatch.patches.attention._flex.mods import identity_score
+        from torchpatch.patches.attention._flex.mods import _identity
 
         leaves = [t.clone().requires_grad_() for t in (q, kk, vv)]
-        (_attention(*leaves, kwargs.get("score_mod", identity_score), kwargs["block_mask"], E ** -0.5)[0]
+        (_attention(*leaves, kwargs.get("score_mod", _identity), kwargs["block_mask"], E ** -0.5)[0]
          * w).sum().backward()
         out["served_backward"][name] = [error_ratio(t.grad, want.grad, 4 * (E + L)) for t, want in zip(leaves, wants)]
 

@@ -9,27 +9,16 @@ from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, rank_result, run_ranks, where_patch_applies,
     where_patch_does_not_apply
 )
+from fsdp2_scripts import SUMMED_GRADS, head
 
-RANKS = """
-import copy, datetime, json, sys, torch, torch.distributed as dist, torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-FACTOR = float(sys.argv[1])
-torch.manual_seed(0)
+RANKS = head(home="torch.distributed.fsdp") + """
+FACTOR = FACTOR_VALUE
 model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 xs, ys = torch.randn(W, 6, 8), torch.randn(W, 6, 4)
-
+""" + SUMMED_GRADS + """
 # the reference: every rank's own gradient, computed on one process, summed, divided by the factor
-ref = [torch.zeros_like(p) for p in model.parameters()]
-for r in range(W):
-    m = copy.deepcopy(model)
-    nn.functional.mse_loss(m(xs[r]), ys[r]).backward()
-    ref = [a + p.grad for a, p in zip(ref, m.parameters())]
-ref = [a / FACTOR for a in ref]
+ref = [a / FACTOR for a in summed_grads()]
 
-mesh = init_device_mesh("cpu", (W,))
 sharded = copy.deepcopy(model)
 for layer in sharded:
     if isinstance(layer, nn.Linear):
@@ -41,7 +30,7 @@ for module in sharded.modules():  # each FSDP module's own parameter group (as t
 try:
     nn.functional.mse_loss(sharded(xs[rank]), ys[rank]).backward()
     grads = [p.grad.full_tensor() for p in sharded.parameters()]
-    out = {"error": None, "max_diff": max(float(((g - r).abs() / r.abs().clamp_min(1e-3)).max()) for g, r in zip(grads, ref))}
+    out = {"error": None, "max_diff": rel_diff(grads, ref)}
 except RuntimeError as exc:
     out = {"error": str(exc).splitlines()[0]}
 import torchpatch
@@ -59,7 +48,7 @@ if rank == 0:
 
 
 def run(tmp_path, factor, **env):
-    script = RANKS.replace("sys.argv[1]", repr(str(factor)))
+    script = RANKS.replace("FACTOR_VALUE", repr(factor))
     proc = run_ranks(script, env=clean_env(**env), tmp_path=tmp_path, timeout=180)
     return rank_result(proc)
 

@@ -22,15 +22,9 @@ from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, only_torch, patch_applies_here, ranks_result, run_json,
     through_patch_range, torch_matches, where_patch_applies, where_patch_does_not_apply
 )
+from fsdp2_scripts import head
 
-RANKS = """
-import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-from torch.distributed.fsdp import GradientReductionHandle, fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,))
-torch.manual_seed(0)
+RANKS = head("GradientReductionHandle, fully_shard", "torch.distributed.fsdp") + """
 model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 x, y = torch.randn(W, 2, 3, 4, dtype=torch.float64), torch.randn(W, 2, 3, 3, dtype=torch.float64)
 

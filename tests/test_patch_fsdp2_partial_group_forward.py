@@ -17,16 +17,9 @@ from conftest import (
     LEAVE_WITHOUT_TEARDOWN, RESULT, clean_env, patch_applies_here, ranks_result, rank_result, run_ranks,
     through_patch_range, where_patch_applies
 )
+from fsdp2_scripts import head
 
-RANKS = """
-import copy, datetime, json, torch, torch.nn as nn, torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.device_mesh import init_device_mesh
-dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-rank, W = dist.get_rank(), dist.get_world_size()
-mesh = init_device_mesh("cpu", (W,))
-torch.manual_seed(0)
-
+RANKS = head(home="torch.distributed.fsdp") + """
 class Norm(nn.Module):
     def __init__(self, dim):
         super().__init__()

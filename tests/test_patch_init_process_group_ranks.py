@@ -2,8 +2,8 @@
 
 One process (gloo, world size 1) starts the default group without ``_ranks``, with ``_ranks=[]`` (what
 torchtitan 0.3 passes unless told the ranks) and with ``_ranks=[0]``, and reports the default group's
-name each time. With TORCHPATCH=1 on torch 2.9 the names must be the ones torch 2.15 gives natively
-(run in its venv in the same test); natively 2.9 raises ``TypeError`` for ``_ranks``. From 2.10 torch
+name each time. With TORCHPATCH=1 on torch 2.4 and 2.9 the names must be the ones torch 2.15 gives natively
+(run in its venv in the same test); natively 2.4 and 2.9 raise ``TypeError`` for ``_ranks``. From 2.10 torch
 takes it itself (the patch stays off).
 """
 

@@ -386,6 +386,7 @@ def test_inactive_where_torch_has_it():
                           "builtin": type(F.scaled_dot_product_attention).__name__,
                           "status": torchpatch.status().get("sdpa-backport")}))
         """,
-        env=clean_env(TORCHPATCH="1"),
+        # 2.3-2.5: sdpa-enable-gqa and sdpa-kernel-priority wrap the function (their own tests)
+        env=clean_env(TORCHPATCH="1", TORCHPATCH_SDPA_ENABLE_GQA="0", TORCHPATCH_SDPA_KERNEL_PRIORITY="0"),
     )
     assert out == {"file": "nn/attention/__init__.py", "served": None, "builtin": "builtin_function_or_method", "status": None}

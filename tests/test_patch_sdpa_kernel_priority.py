@@ -2,8 +2,9 @@
 the keyword). An order torch 2.4 follows (flash, then memory-efficient, then math) enables the same
 backends as plain ``sdpa_kernel(backends)``: the same flags inside and after the block and bit-equal
 attention outputs and gradients (flash is tried first: the result is flash's, not math's); keyword
-and ``set_priority=False`` calls are torch's own; an order 2.4 cannot follow raises
-``NotImplementedError`` naming torch >= 2.6 and changes nothing. On torch >= 2.6 the same script runs
+and ``set_priority=False`` calls are torch's own; under an order 2.4 cannot follow, attention on CPU
+tensors is bit-equal to plain ``sdpa_kernel(backends)`` (as on torch 2.15, which ignores the priority on
+CPU), and on another device (``meta``) raises ``NotImplementedError`` naming torch >= 2.6. On torch >= 2.6 the same script runs
 torch's own ``sdpa_kernel`` (the reference for the equalities) and the patch stays out of the way."""
 
 from conftest import clean_env, only_torch, run_json, run_py, where_patch_applies
@@ -68,14 +69,16 @@ out["unfollowable"] = {}
 for name, backends in {"math,flash": unordered,
                        "efficient,flash": [B.EFFICIENT_ATTENTION, B.FLASH_ATTENTION],
                        "flash,math,efficient": [B.FLASH_ATTENTION, B.MATH, B.EFFICIENT_ATTENTION],
-                       "cudnn,flash": [B.CUDNN_ATTENTION, B.FLASH_ATTENTION]}.items():
+                       "cudnn,flash": [B.CUDNN_ATTENTION, B.FLASH_ATTENTION],
+                       "cudnn,flash,math (torchtitan 0.2.2)": [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.MATH]}.items():
+    cpu = same(attend(sdpa_kernel(backends, set_priority=True)), attend(sdpa_kernel(backends)))
     try:
         with sdpa_kernel(backends, set_priority=True):
-            F.scaled_dot_product_attention(q, k, v)
+            F.scaled_dot_product_attention(*(t.to("meta") for t in (q, k, v)))
         error = None
     except NotImplementedError as exc:
         error = str(exc)
-    out["unfollowable"][name] = [error, flags()]
+    out["unfollowable"][name] = [cpu, error, flags()]
 out["after_all"] = flags()
 out["signature_has_set_priority"] = "set_priority" in inspect.signature(sdpa_kernel).parameters
 out["wrapper"] = type(sdpa_kernel).__name__
@@ -102,11 +105,13 @@ def test_followed_orders_equal_plain_sdpa_kernel():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     assert out["status"] == "applied" and out["wrapper"] == "FunctionWrapper"
     check_equalities(out)
-    for name, (error, flags) in out["unfollowable"].items():
-        assert error is not None, name
-        assert error.startswith("sdpa_kernel(") and "priority orders need torch >= 2.6" in error, error
-        assert flags == out["before"], name  # raised before any flag changed
-    assert "['MATH', 'FLASH_ATTENTION']" in out["unfollowable"]["math,flash"][0]
+    for name, (cpu, error, flags) in out["unfollowable"].items():
+        assert cpu is True, name  # on CPU tensors: the backends' own order, as torch 2.15 (which ignores the priority there)
+        assert error is not None, name  # another device: refused
+        assert error.startswith("sdpa_kernel(") and "on a meta tensor" in error, error
+        assert "priority orders need torch >= 2.6" in error, error
+        assert flags == out["before"], name  # the block's flags restored after the refusal
+    assert "['MATH', 'FLASH_ATTENTION']" in out["unfollowable"]["math,flash"][1]
 
 
 @only_torch(">=2.6", "the reference: torch's own set_priority")
@@ -114,5 +119,6 @@ def test_inactive_and_native_semantics():
     out = run_json(SCRIPT, env=clean_env(TORCHPATCH="1"))
     assert out["status"] is None and out["wrapper"] == "function" and out["signature_has_set_priority"] is True
     check_equalities(out)
-    # torch >= 2.6 honours any order: nothing raises.
-    assert {name: error for name, (error, _) in out["unfollowable"].items()} == {name: None for name in out["unfollowable"]}
+    # torch >= 2.6 honours any order: nothing raises; on CPU tensors it ignores the priority.
+    assert {name: error for name, (_, error, _) in out["unfollowable"].items()} == {name: None for name in out["unfollowable"]}
+    assert all(cpu for cpu, _, _ in out["unfollowable"].values())

@@ -1,5 +1,6 @@
-"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.9-2.13 (not served on 2.4,
-whose ``_set_pg_timeout`` does not reach gloo's collectives). 2 gloo ranks made
+"""set-timeout: ``torch.distributed.set_timeout(timeout, group)`` on torch 2.9-2.13; set-timeout-gloo-24 on
+2.4, whose ``_set_pg_timeout`` does not reach gloo's collectives (served with torch 2.14's warning for a
+backend that keeps its timeout; the lone all_reduce below is not run there: it would wait the 60 s). 2 gloo ranks made
 with a 60 s timeout; the script shortens it to 2 s on the default group and on a subgroup, then rank 0
 enters an all_reduce that rank 1 never joins (rank 1 waits on the store until rank 0 is done). Natively
 before 2.14 the call is an ``AttributeError``. With torchpatch it is served, and the lone all_reduce
@@ -9,20 +10,23 @@ reference, where the patch stays out of the way)."""
 from conftest import RESULT, clean_env, only_torch, ranks_result, until_patch_range_ends, where_patch_applies
 
 SCRIPT = """
-import datetime, json, os, time, torch, torch.distributed as dist
+import datetime, json, os, time, warnings, torch, torch.distributed as dist
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
 store = dist.distributed_c10d._get_default_store()
 sub = dist.new_group([0, 1])
 out = {}
 try:
-    for group in (None, sub):
-        dist.set_timeout(datetime.timedelta(seconds=2), group)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for group in (None, sub):
+            dist.set_timeout(datetime.timedelta(seconds=2), group)
+    out["warnings"] = [str(w.message) for w in caught if "set_timeout" in str(w.message)]
     out["served_as"] = dist.set_timeout.__module__ + "." + dist.set_timeout.__name__
     out["c10d_same"] = dist.distributed_c10d.set_timeout is dist.set_timeout
 except AttributeError as exc:
     out["error"] = f"AttributeError: {exc}"
-if "error" not in out and rank == 0:  # rank 1 never joins these: each must give up after the group's timeout
+if "error" not in out and rank == 0 and not out["warnings"]:  # rank 1 never joins these: each must give up after the group's timeout
     for name, group in (("default", None), ("subgroup", sub)):
         start = time.monotonic()
         try:
@@ -60,11 +64,12 @@ def test_native_has_no_set_timeout(tmp_path):
     assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
 
 
-@only_torch(">=2.4,<2.9", "2.4's _set_pg_timeout does not reach gloo's collectives")
-def test_not_served_where_the_private_function_does_not_reach_gloo(tmp_path):
+@where_patch_applies("set-timeout-gloo-24", "2.4's _set_pg_timeout does not reach gloo's collectives")
+def test_served_with_a_warning_where_gloo_keeps_its_timeout(tmp_path):
     out = run(tmp_path, TORCHPATCH="1")
-    assert out["status"] is None, out
-    assert out["error"] == "AttributeError: module 'torch.distributed' has no attribute 'set_timeout'", out
+    assert out["served_as"] == "torch.distributed.distributed_c10d.set_timeout", out
+    assert out["c10d_same"] is True and len(out["warnings"]) == 2, out
+    assert all("gloo backend keeps the timeout" in w for w in out["warnings"]), out
 
 
 def check_timeouts(out):

@@ -13,7 +13,8 @@ process on the same torch and, for 0.1.0, the recorded run of 2.15.0 natively (`
 subset that exercises the patches each release needs where they apply (named beside each entry, and in
 docs/torchtitan.md): 0.1.0 on torch 2.4 and 2.9 (FSDP+TP+SAC on 4 ranks: from the seed checkpoint, with
 DCP save + resume on 2.4 (``RESUME``: the training run saves, a second run resumes); on 2.9 also without
-checkpointing, ``TRAIN_FROM_SCRATCH``), 0.2.2 and 0.3.0 on 2.9 and on 2.13 (with the Triton that 2.13's CUDA builds bring).
+checkpointing, ``TRAIN_FROM_SCRATCH``), 0.2.2 and 0.3.0 on 2.4, 2.9 and 2.13 (with the Triton that 2.13's CUDA
+builds bring).
 """
 
 from __future__ import annotations
@@ -65,19 +66,29 @@ TRAIN: Dict[Tuple[str, str], Tuple[str, ...]] = {
     # fsdp+tp+sac on 4 ranks: the 2-D state dict (fsdp2-2d-state-dict), the embedding's gradient
     # (fsdp2-tp-grad-placements: without it the first gradient norm is 0.14% above one process's), and
     # the TP of 2.4 (dtensor-public, tp-prepare-module-input-output). TP alone (clip_grad_norm_ of its
-    # partial gradients, dtensor-inplace-placement-change, 2.2-2.12) is 0.2.2's `tp` on 2.9 in CI; 0.1.0's
+    # partial gradients, dtensor-inplace-placement-change, 2.2-2.12) is 0.2.2's `tp` on 2.4 in CI; 0.1.0's
     # `tp` cells (2.4.1, 2.9.0) are the docs table's. 2.4.1's `fsdp` (and its DCP save + resume) is the docs
     # table's too: 2.4.1's FSDP trains 8 steps and saves in the 2.15 session (DCP_FROM_OLDER), and
     # fsdp+tp+sac here trains and resumes through the same FSDP2 patches
     ("0.1.0", ">=2.4,<2.5"): ("pp", "fsdp+tp+sac"),
-    # FSDP+TP+SAC on 4 ranks; PP: 2.9's P2P warm-up aborts gloo natively (pipelining-gloo-warmup)
-    ("0.1.0", "==2.9.*"): ("fsdp+tp+sac", "pp"),
+    # FSDP+TP+SAC on 4 ranks. Its PP trained here too until CI's time was cut (issue 42): 2.9's P2P warm-up,
+    # which aborts gloo natively (pipelining-gloo-warmup), is 0.2.2's PP below (without the patch:
+    # `op.preamble.length <= op.nbytes. 8 vs 4`, SIGABRT)
+    ("0.1.0", "==2.9.*"): ("fsdp+tp+sac",),
+    # 0.2.2 and 0.3.0 on 2.4, the oldest torch they train on: what they import (the context-parallel module
+    # dtensor-context-parallel-210 serves, custom-op-string-annotations, sdpa-enable-gqa, ...); 0.2.2's TP
+    # (clip_grad_norm_ of its partial gradients, dtensor-inplace-placement-change, 2.2-2.12); 0.3.0's PP
+    # (pipelining-stage-kwargs: 2.4 ran the later stages without the block mask's kwargs,
+    # pipelining-stage-get-mesh, pipelining-step-loss-kwargs). The other cells of 2.4.1's rows are the docs
+    # table's.
+    ("0.2.2", ">=2.4,<2.5"): ("tp",),
+    ("0.3.0", ">=2.4,<2.5"): ("pp",),
     # 0.2.2 and 0.3.0 on 2.9: what they import (varlen, inductor-wrap-compiled-regions, spmd_types' layouts
-    # and local-tensor helpers ...); 0.2.2's PP (pipelining-return-outputs, pipelining-context); 0.3.0's
-    # FSDP (fsdp2-dp-mesh-dims, fsdp2-partial-group-forward, dtensor-spec-aliasing) and PP
-    # (pipelining-stage-get-mesh, pipelining-step-loss-kwargs)
-    ("0.2.2", "==2.9.*"): ("tp", "pp"),
-    ("0.3.0", "==2.9.*"): ("fsdp", "pp"),
+    # and local-tensor helpers ...); 0.2.2's PP (pipelining-return-outputs, pipelining-context,
+    # pipelining-gloo-warmup); 0.3.0's FSDP (fsdp2-dp-mesh-dims, fsdp2-partial-group-forward,
+    # dtensor-spec-aliasing). Their TP and PP cells of 2.9.0 trained here too until 2.4 took them over.
+    ("0.2.2", "==2.9.*"): ("pp",),
+    ("0.3.0", "==2.9.*"): ("fsdp",),
     ("0.2.2", "==2.13.*"): ("fsdp",),  # fsdp2-gloo-divide-factor
     # 0.3.0: FSDP of spmd_types-annotated parameters (fsdp2-spmd-types); PP with pre-split microbatches
     # (pipelining-presplit-inputs). Its 8-rank cells (hsdp+tp, pp+fsdp+tp: 2-4 min each here) and FSDP+TP+SAC

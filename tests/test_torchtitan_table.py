@@ -1,9 +1,11 @@
 """tools/torchtitan_table.py without torchtitan: the docs' table of the release x torch pairs it ran
 replaces only those rows (a release, or a torch, is trained again without training the others), and its
-"DCP older to newer" column, or the columns of some parallelisms, are written alone into the rows they ran."""
+"DCP older to newer" column, or the columns of some parallelisms (alone, or with the FSDP and DCP ones), are
+written alone into the rows they ran."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from conftest import REPO
@@ -115,3 +117,42 @@ def test_parallel_columns_alone(tmp_path, monkeypatch):
     assert cells["2.4.1"][at:at + 2] == ["", ""]
     for row, before in zip(rows, full):  # every other cell kept
         assert [c for i, c in enumerate(row.split("|")) if i - 1 not in (at, at + 1)] == before.split("|")
+
+
+def test_whole_run_with_some_parallels(tmp_path, monkeypatch):
+    """A whole run with some ``--parallel`` writes its FSDP, parallelisms' and DCP cells into the rows it
+    ran, a row that said "cannot start" included, and keeps the other columns and rows; a torch that cannot
+    start now gets that row's cells."""
+    page = tmp_path / "torchtitan.md"
+    full = table.markdown([_result("0.2.2", ["2.9.0", "2.15.0"])]).splitlines()  # with 2.4.1 cannot start
+    page.write_text(f"intro\n{table.MARKERS[0]}\n" + "\n".join(full) + f"\n{table.MARKERS[1]}\noutro\n")
+    monkeypatch.setattr(table, "PAGE", page)
+    some = ["fsdp", "pp"]
+    now = {**_result("0.2.2", ["2.4.1", "2.15.0"], error="RuntimeError: y"), "cannot_start": {}}
+    now["runs"]["2.4.1"]["native_fsdp_error"] = "ImportError: z"
+    json_file = tmp_path / "run.json"
+    json_file.write_text(json.dumps([now]))
+    assert table.main(["--from-json", str(json_file), *(f"--parallel={p}" for p in some), "--write"]) == 0
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    assert rows[:2] == full[:2] and len(rows) == len(full)
+    headers = [c.strip() for c in full[0].split("|")[1:-1]]
+    cells = {row.split("|")[2].split()[0]: [c.strip() for c in row.split("|")[1:-1]] for row in rows[2:]}
+    written = {"natively (FSDP)", *some, "DCP save + resume", "DCP from the newest torch", table.OLDER_COLUMN}
+    for torch in ("2.4.1", "2.15.0"):
+        before = next(r for r in full if f"| {torch}" in r)
+        for header, cell, old in zip(headers, cells[torch], before.split("|")[1:-1]):
+            assert cell == (old.strip() if header not in written else cell)
+        assert all(cells[torch][headers.index(p)] == "fails: `RuntimeError: y`" for p in some)
+    assert cells["2.4.1"][:3] == ["0.2.2", "2.4.1", "`ImportError: z`"]
+    assert cells["2.4.1"][headers.index("tp")] == ""  # not run: the cannot-start row's empty cell kept
+    assert cells["2.4.1"][headers.index(table.OLDER_COLUMN)] == "saves the checkpoint the newer torches resume"
+    assert cells["2.15.0"][headers.index(table.OLDER_COLUMN)] == "from 2.4.1: resumes, equal (0.0e+00)"
+    assert rows[[r.split("|")[2].split()[0] for r in rows].index("2.9.0")] == next(r for r in full if "| 2.9.0 |" in r)
+
+    gone = {**now, "runs": {"2.15.0": now["runs"]["2.15.0"]}, "cannot_start": {"2.4.1": "ModuleNotFoundError: w"}}
+    json_file.write_text(json.dumps([gone]))
+    assert table.main(["--from-json", str(json_file), *(f"--parallel={p}" for p in some), "--write"]) == 0
+    rows = page.read_text().split(table.MARKERS[0])[1].split(table.MARKERS[1])[0].strip().splitlines()
+    row = [c.strip() for c in next(r for r in rows if "| 2.4.1 |" in r).split("|")[1:-1]]
+    assert row[2] == "cannot start with TORCHPATCH=1: `ModuleNotFoundError: w`"
+    assert all(row[headers.index(h)] == "" for h in written - {"natively (FSDP)"})

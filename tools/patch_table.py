@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import api_coverage
+import served_surface
 from support_chart import svg
 
 from torchpatch._fixes import FILE as PATCH_ERRORS_FILE
@@ -104,7 +105,8 @@ TABLES: Dict[Path, Dict[str, Callable[[], str]]] = {
                          "api-coverage": lambda: api_coverage.in_one_line(*api_coverage.coverage())},
     DOCS / "patches" / "index.md": {"patch-table": table},
     DOCS / "silent-bugs.md": {"silent-bugs": bugs_table},
-    DOCS / "patches" / "newest-api.md": {"api-coverage": lambda: api_coverage.markdown(*api_coverage.coverage())},
+    DOCS / "patches" / "newest-api.md": {"api-coverage": lambda: api_coverage.markdown(*api_coverage.coverage()),
+                                         "served-surface-pieces": served_surface.pieces_markdown},
 }
 
 

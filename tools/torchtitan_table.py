@@ -24,6 +24,9 @@ repeat the resuming torch's own uninterrupted run from the seed checkpoint. ``--
 pairs it ran and keeping the others; with ``--only-dcp-from-older`` it runs that last column alone and
 writes its cells into the page's rows, and with ``--only-parallel`` the ``--parallel`` columns alone (the
 seed, the newest torch's one process and native runs, each torch's runs), a column the page lacks added.
+A whole run with some ``--parallel`` (not all of them) writes its cells the same way: the natively
+(FSDP), ``--parallel``, DCP save + resume, DCP from the newest torch and DCP older to newer cells of the
+rows it ran, the other cells kept (a row that said "cannot start" gets its cells).
 """
 
 from __future__ import annotations
@@ -371,10 +374,23 @@ def write_columns(columns: Dict[str, Dict[tuple, str]]) -> None:
         cells.extend([" "] * (len(headers) - len(cells)))  # a row that cannot start: its empty cells
         for header in columns:
             if (key, header) in new:
-                cells[headers.index(header)] = f" {new.pop((key, header))} "
+                cell = new.pop((key, header))
+                cells[headers.index(header)] = f" {cell} " if cell else " "
     if new:
         raise SystemExit(f"no row in {PAGE.name} for {sorted({key for key, _ in new})}: run the whole table for them first")
     PAGE.write_text(text[:start] + "\n" + "\n".join("|" + "|".join(cells) + "|" for cells in rows) + "\n" + text[end:])
+
+
+def table_columns(table: str) -> Dict[str, Dict[tuple, str]]:
+    """``markdown``'s table as ``write_columns``' columns, header -> (release, torch) -> cell (all but the
+    first two: a row's release and torch stay the page's)."""
+    lines = table.splitlines()
+    headers = [cell.strip() for cell in lines[0].split("|")[1:-1]]
+    columns: Dict[str, Dict[tuple, str]] = {header: {} for header in headers[2:]}
+    for row in lines[2:]:
+        for header, cell in zip(headers[2:], row.split("|")[3:-1]):
+            columns[header][_row_key(row)] = cell.strip()
+    return columns
 
 
 def _row_key(row: str) -> tuple:
@@ -399,11 +415,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="a torch to run on (oldest first; the last one is the native reference)")
     parser.add_argument("--release", action="append", default=[], metavar="VERSION=DIR",
                         help="a torchtitan release installed with pip install --no-deps --target DIR")
-    parser.add_argument("--parallel", action="append", choices=PARALLELS, help="default: all")
+    parser.add_argument("--parallel", action="append", choices=PARALLELS,
+                        help="default: all (--write with some: their cells and the FSDP and DCP ones alone, "
+                        "in the page's rows)")
     parser.add_argument("--steps", type=int, default=8, help="training steps per run (default 8)")
     parser.add_argument("--write", action="store_true", help="write the table into docs/torchtitan.md")
     parser.add_argument("--json", metavar="FILE", help="also write every run's losses and errors as JSON")
-    parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, run nothing")
+    parser.add_argument("--from-json", metavar="FILE", help="print (and --write) the table of an earlier --json, "
+                        "run nothing (give the run's --parallel and --only-... options)")
     parser.add_argument("--only-dcp-from-older", action="store_true",
                         help=f"run only the {OLDER_COLUMN!r} column (--write: its cells alone, in the page's rows)")
     parser.add_argument("--only-parallel", action="store_true",
@@ -442,7 +461,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     table = markdown(results, args.parallel or PARALLELS)
     print(table)
-    if args.write:
+    if args.write and set(args.parallel or PARALLELS) != set(PARALLELS):
+        write_columns(table_columns(table))  # the page's other columns kept
+    elif args.write:
         write_page(table)
     return 0
 

@@ -157,6 +157,7 @@ class Patch:
     aliases: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (name, target, torch)
     symbols: Dict[Tuple[str, str], SymbolFactory] = field(default_factory=dict, repr=False)
     hook_symbols: List[Tuple[str, str, str]] = field(default_factory=list, repr=False)  # (module, name, torch)
+    init_params: List[Tuple[str, str]] = field(default_factory=list, repr=False)  # (class, "name=default")
     import_hooks: List[Tuple[str, ImportHook]] = field(default_factory=list, repr=False)
     import_time_hooks: List[Tuple[str, ImportHook]] = field(default_factory=list, repr=False)
 
@@ -214,6 +215,13 @@ class Patch:
         nothing by itself: it lets ``torchpatch check`` see them (a name in a served module that is
         not declared is never reported as served)."""
         self.hook_symbols += [(module, name, torch) for name in names]
+
+    def takes(self, cls: str, params: Iterable[str]) -> None:
+        """Declare that this patch makes ``cls(...)`` (a dotted class name) take ``params`` as the newest
+        torch's ``__init__`` does: each ``"name=default"`` is optional with the patch, a new keyword where
+        this torch's ``__init__`` lacks it. This changes nothing by itself: it lets ``torchpatch check``
+        see that a call using them works."""
+        self.init_params += [(cls, param) for param in params]
 
     def on_import(self, module: str) -> Callable[[ImportHook], ImportHook]:
         """Run ``hook(patcher, module)`` after ``module`` is imported (at once if it already is).

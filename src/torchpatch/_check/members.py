@@ -174,7 +174,8 @@ class MemberChecker:
         return found
 
     def call(self, callee: TypeExpr, shape: CallShape) -> Optional[Result]:
-        """The row for a call of a torch class whose ``__init__`` rejects its arguments, else None."""
+        """The row for a call of a torch class whose ``__init__`` rejects its arguments, else None; where
+        the parameters the catalogue's patches add (``Patch.takes``) make the call work, a patched row."""
         found = self.types.value(callee)
         if found is None or found[0] != "class":
             return None
@@ -182,8 +183,17 @@ class MemberChecker:
         problems = sig.problems(shape) if sig else []
         if sig is None or not problems:
             return None
+        name = f"{_owner(callee, found[1])}.__init__"
+        named = [callee[1]] if callee[0] in ("name", "inst") else []
+        served = [param for owner in dict.fromkeys(named + [found[1].replace(":", ".")])
+                  for param in self.serving.init_params.get(owner, [])]
+        if served and not sig.widened([param for param, _patch in served]).problems(shape):
+            used = [(param, patch) for param, patch in served  # the parameters this call needs served
+                    if param.split("=", 1)[0].strip() in set(shape.keywords).union(sig.required)]
+            patches = tuple(dict.fromkeys(patch for _param, patch in used))
+            return Result(PATCHED, name, patches, tuple(f"{name} takes {param} with {patch}" for param, patch in used))
         note = f"{'; '.join(problems)}: torch {self.types.inv.version}'s __init__ is {sig.text}"
-        return Result(MISSING, f"{_owner(callee, found[1])}.__init__", note=note)
+        return Result(MISSING, name, note=note)
 
     def accepted_in(self, callee: TypeExpr, shapes: Sequence[CallShape]) -> List[str]:
         """The other inventoried torch versions whose class of ``callee`` takes every one of ``shapes``."""

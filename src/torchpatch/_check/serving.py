@@ -4,7 +4,7 @@ patches switched on or off as the ``TORCHPATCH_*`` variables say."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Sequence, Set, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from .. import _versions
 from .._config import Config, Decision, decide
@@ -27,6 +27,7 @@ class Serving:
     off: Dict[str, str] = field(default_factory=dict)  # name a switched-off patch would serve -> why
     declared: Set[str] = field(default_factory=set)  # modules with at least one name in ``symbols``
     decisions: Dict[str, Decision] = field(default_factory=dict)  # patch id -> on/off and why (applying ones)
+    init_params: Dict[str, List[Tuple[str, str]]] = field(default_factory=dict)  # class -> [(param, patch id)]
 
     @classmethod
     def for_torch(cls, version: str, patches: Sequence[Patch], cfg: Config) -> "Serving":
@@ -53,6 +54,8 @@ class Serving:
             for key in symbols:
                 out.symbols.setdefault(key, p.id)
                 out.declared.add(key[0])
+            for cls, param in p.init_params:
+                out.init_params.setdefault(cls, []).append((param, p.id))
         return out
 
     def alias_targets(self) -> Dict[str, str]:

@@ -4,7 +4,7 @@ dropped) and the check of one call's arguments against one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Tuple
+from typing import FrozenSet, List, Optional, Sequence, Tuple
 
 _OPEN, _CLOSE = "([{<", ")]}>"
 
@@ -79,6 +79,15 @@ class Signature:
         self_name = positional.pop(0)
         return cls(text, tuple(positional), frozenset(keyword) - {self_name}, frozenset(required) - {self_name},
                    varargs, varkw)
+
+    def widened(self, params: Sequence[str]) -> "Signature":
+        """This signature where each ``"name=default"`` of ``params`` is optional: made so where it is a
+        parameter, added as a keyword-only one where it is not (a patch's additions, ``Patch.takes``)."""
+        names = [p.split("=", 1)[0].strip() for p in params]
+        added = [p for p, name in zip(params, names) if name not in self.keyword and name not in self.positional]
+        text = self.text if not added else f"{self.text[:-1]}, *, {', '.join(added)})".replace("(, ", "(")
+        return Signature(text, self.positional, self.keyword.union(names), self.required.difference(names),
+                         self.varargs, self.varkw)
 
     @property
     def names(self) -> FrozenSet[str]:

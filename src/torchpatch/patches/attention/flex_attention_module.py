@@ -38,7 +38,16 @@ PATCH = Patch(
 _MODULE = "torch.nn.attention.flex_attention"
 PUBLIC = ("BlockMask", "flex_attention", "AuxOutput", "AuxRequest", "FlexKernelOptions", "create_block_mask",
           "create_mask", "or_masks", "and_masks", "noop_mask")
-PATCH.sets(_MODULE, PUBLIC + ("_mask_mod_signature", "_score_mod_signature"))
+# torch 2.15's private constants and helpers that code written for it imports (the default block size,
+# for one), with torch's values and semantics (the compile-debug switch is served off: the computation
+# here is always the eager one that switch selects)
+HELPERS = {"block_mask": ("_DEFAULT_SPARSE_BLOCK_SIZE", "_LARGE_SPARSE_BLOCK_SIZE", "_cdiv", "_ordered_to_dense",
+                          "_dense_to_ordered", "_transpose_ordered", "_round_up_to_multiple", "_broadcast_to_dim",
+                          "_sliced_mask_mod_error"),
+           "attention": ("_BLOCK_MASK_TOO_SMALL_ERROR", "_BLOCK_MASK_TOO_LARGE_ERROR"),
+           "mods": ("_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", "_WARNINGS_SHOWN", "_warn_once", "_ModificationType",
+                    "_get_mod_type", "_identity")}
+PATCH.sets(_MODULE, PUBLIC + ("_mask_mod_signature", "_score_mod_signature") + sum(HELPERS.values(), ()))
 
 
 @PATCH.module(_MODULE)
@@ -53,4 +62,8 @@ def build(module: ModuleType) -> None:
     module.AuxRequest, module.AuxOutput = aux.AuxRequest, aux.AuxOutput
     module.FlexKernelOptions = aux._kernel_options()
     module.FlexKernelOptions.__module__ = _MODULE
+    sources = {"block_mask": block_mask, "attention": attention, "mods": mods}
+    for source, names in HELPERS.items():
+        for name in names:
+            setattr(module, name, getattr(sources[source], name))
     module.__all__ = list(PUBLIC)

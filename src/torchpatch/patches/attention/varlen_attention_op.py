@@ -38,6 +38,7 @@ SCHEMA = ("_varlen_attn(Tensor query, Tensor key, Tensor value, Tensor cu_seq_q,
           "Tensor? seqused_k=None, Tensor? block_table=None, SymInt? num_splits=None, SymInt backend=1) "
           "-> (Tensor, Tensor, Tensor)")
 _FLASH = 1
+PATCH.sets("torch.ops.torch_attn", ("_varlen_attn",))  # for ``torchpatch check``
 
 
 def _varlen_attn(query: Any, key: Any, value: Any, cu_seq_q: Any, cu_seq_k: Optional[Any], max_q: int, max_k: int,

@@ -43,9 +43,12 @@ def _write_index(directory: str, weight_map: Dict[str, str], total_size: int) ->
         json.dump({"metadata": {"total_size": total_size}, "weight_map": weight_map}, index, indent=2)
 
 
-def _consolidate(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int]) -> None:
-    """Assemble the full tensors from the shard files of ``input_dir`` (in memory) and write them to
-    ``output_dir``, one file per index of ``fqn_to_index``, with the index file."""
+def consolidate_files(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int],
+                      largest: Optional[int] = None) -> Dict[str, Tuple[str, int]]:
+    """Assemble the full tensors of the names ``fqn_to_index`` maps from the shard files of
+    ``input_dir`` (in memory) and write them to ``output_dir``, one file per index (``largest``: the
+    highest index of the whole model, where ``fqn_to_index`` is a part of it); the other names in the
+    shard files are left out. Returns name -> (its file, its bytes), what the index file lists."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -55,10 +58,12 @@ def _consolidate(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int]) 
         with safe_open(path, framework="pt") as f:
             info = json.loads((f.metadata() or {}).get(SHARDING_INFO, "{}"))
             for key in f.keys():
+                if key not in fqn_to_index:
+                    continue
                 tensor = f.get_tensor(key)
                 offsets = info.get(key, {}).get("saved_offsets", [0] * tensor.dim())
                 pieces.setdefault(key, []).append((offsets, tensor))
-    largest = max(fqn_to_index.values())
+    largest = max(fqn_to_index.values()) if largest is None else largest
     files: Dict[int, Dict[str, Any]] = {}
     for key, chunks in pieces.items():
         size = [max(off[d] + t.shape[d] for off, t in chunks) for d in range(chunks[0][1].dim())]
@@ -66,13 +71,23 @@ def _consolidate(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int]) 
         for offsets, tensor in chunks:
             full[tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = tensor
         files.setdefault(fqn_to_index[key], {})[key] = full
-    weight_map, total = {}, 0
+    written: Dict[str, Tuple[str, int]] = {}
     for index, tensors in files.items():
         name = _file_name(index, largest)
         save_file(tensors, os.path.join(output_dir, name))
-        for key, tensor in tensors.items():
-            weight_map[key], total = name, total + tensor.numel() * tensor.element_size()
-    _write_index(output_dir, weight_map, total)
+        written.update((key, (name, tensor.numel() * tensor.element_size())) for key, tensor in tensors.items())
+    return written
+
+
+def write_index(directory: str, written: Dict[str, Tuple[str, int]]) -> None:
+    """``model.safetensors.index.json`` of what :func:`consolidate_files` wrote."""
+    _write_index(directory, {key: name for key, (name, _) in written.items()},
+                 sum(size for _, size in written.values()))
+
+
+def _consolidate(input_dir: str, output_dir: str, fqn_to_index: Dict[str, int]) -> None:
+    """Assemble every name of ``fqn_to_index`` into ``output_dir``'s model files, with the index file."""
+    write_index(output_dir, consolidate_files(input_dir, output_dir, fqn_to_index))
 
 
 def copy_to_target(tensor: Any, req: Any, planner: Any) -> None:

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from torchpatch import Patch
 
-from ._hf_safetensors import MODULE, make_classes
+from ._hf_safetensors import MODULE, SHARDED_DIR, SHARDING_INFO, SUFFIX, make_classes
 
 PATCH = Patch(
     id="dcp-hf-storage",
@@ -43,12 +43,17 @@ PATCH = Patch(
 )
 
 NAMES = ("HuggingFaceStorageReader", "HuggingFaceStorageWriter")
-PATCH.sets(MODULE, NAMES)
+# torch 2.15's module-level constants of the format (the keys and names the classes below write)
+CONSTANTS = {"CUSTOM_METADATA_KEY": SHARDING_INFO, "SAVED_OFFSETS_KEY": "saved_offsets",
+             "SHARDED_DIR_NAME": SHARDED_DIR, "SUFFIX": SUFFIX}
+PATCH.sets(MODULE, NAMES + tuple(CONSTANTS))
 
 
 @PATCH.module(MODULE)
 def build(module: ModuleType) -> None:
     module.HuggingFaceStorageReader, module.HuggingFaceStorageWriter = make_classes()
+    for name, value in CONSTANTS.items():
+        setattr(module, name, value)
     module.__all__ = list(NAMES)
 
 

@@ -29,6 +29,7 @@ from types import ModuleType
 from typing import Any
 
 from torchpatch import Patch
+from torchpatch.patches._reexport import reexport
 
 PATCH = Patch(
     id="dcp-quantized-hf-storage",
@@ -39,6 +40,9 @@ PATCH = Patch(
 
 MODULE = "torch.distributed.checkpoint.quantized_hf_storage"
 PATCH.sets(MODULE, ("QuantizedHuggingFaceStorageReader",))
+# torch 2.15's torch.distributed.checkpoint re-exports it
+PATCH.symbol("torch.distributed.checkpoint", "QuantizedHuggingFaceStorageReader")(
+    reexport(MODULE, "QuantizedHuggingFaceStorageReader"))
 
 
 def _base_reader() -> Any:

@@ -13,7 +13,9 @@ Fix:           serve the enum, and let ``FileSystemWriter`` take ``serialization
                ``TORCH_SAVE`` writes what it always wrote, the same files as 2.8+; ``SAFETENSORS``
                raises ``NotImplementedError`` (the writer's per-file safetensors path is 2.8's
                ``filesystem`` write loop; ``hf_storage.HuggingFaceStorageWriter``, served by
-               dcp-hf-storage, writes safetensors checkpoints on this torch).
+               dcp-hf-storage, writes safetensors checkpoints on this torch). The module's format
+               constants of torch 2.15 (``CURRENT_DCP_VERSION``, ``HF_DCP_VERSION``, the metadata keys)
+               are served with 2.15's values.
 Upstream:      https://github.com/pytorch/pytorch/blob/v2.8.0/torch/distributed/checkpoint/filesystem.py
                (``SerializationFormat``, torch 2.8)
 """
@@ -56,6 +58,12 @@ def _take_serialization_format(wrapped: Any, instance: Any, args: Tuple[Any, ...
 
 
 PATCH.symbol(MODULE, "SerializationFormat")(lambda: SerializationFormat)
+
+# torch 2.15's constants of the module (the DCP format version; the safetensors metadata keys it imports)
+CONSTANTS: Dict[str, Any] = {"CURRENT_DCP_VERSION": "1.0.0", "HF_DCP_VERSION": 1.0, "DCP_VERSION_KEY": "DCP_VERSION",
+                             "CUSTOM_METADATA_KEY": "DCP_SHARDING_INFO", "FORMAT_KEY": "format", "FORMAT_VALUE": "pt"}
+for _name, _value in CONSTANTS.items():
+    PATCH.symbol(MODULE, _name)(lambda _value=_value: _value)
 
 
 @PATCH.on_import(MODULE)

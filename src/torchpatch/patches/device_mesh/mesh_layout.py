@@ -10,13 +10,13 @@ Torch:         2.10 added the CuTe layout algebra ``torch.distributed._pycute`` 
                2.15. 2.4-2.9 have neither module (pure-Python bookkeeping: nothing in them needs newer
                torch).
 Fix:           serve both modules with torch 2.15's semantics, written in ``device_mesh/_layout``:
-               ``_FlatLayout`` and ``_MeshLayout`` complete, and of ``_pycute`` the algebra they use
-               (int-tuple helpers, ``Layout``, ``make_layout``, ``size``, ``cosize``, ``coalesce``,
-               ``filter``, ``composition``, ``complement``). Not served: ``_pycute``'s inverses,
-               divides, products and slicing with ``None`` (no device-mesh code uses them; the names are
-               absent, a ``None`` coordinate raises ``NotImplementedError``). These torch versions'
-               ``DeviceMesh`` does not keep a ``_layout``: the modules are for code that computes with
-               layouts itself (spmd_types' ``MeshAxis``).
+               ``_FlatLayout`` and ``_MeshLayout`` complete, and ``_pycute``'s algebra (the int-tuple
+               helpers, ``Layout``, ``make_layout``, ``size``, ``cosize``, ``coalesce``, ``filter``,
+               ``composition``, ``complement``, the inverses, divides and products,
+               ``slice_and_offset``). Not served: calling a ``Layout`` with ``None`` coordinates (no
+               device-mesh code does: it raises ``NotImplementedError``; ``slice_and_offset`` slices).
+               These torch versions' ``DeviceMesh`` does not keep a ``_layout``: the modules are for
+               code that computes with layouts itself (spmd_types' ``MeshAxis``).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/_mesh_layout.py
 """
 
@@ -35,8 +35,11 @@ PATCH = Patch(
 PYCUTE = "torch.distributed._pycute"
 MESH_LAYOUT = "torch.distributed._mesh_layout"
 PYCUTE_NAMES = ("IntTuple", "Integer", "is_int", "is_tuple", "as_tuple", "match_structure", "flatten", "product",
-                "suffix_product", "idx2crd", "crd2idx", "LayoutBase", "is_layout", "Layout", "make_layout", "size",
-                "cosize", "coalesce", "filter", "composition", "complement")
+                "suffix_product", "idx2crd", "crd2idx", "signum", "inner_product", "tuple_max", "elem_scale",
+                "shape_div", "crd2crd", "slice_", "has_none", "LayoutBase", "is_layout", "Layout", "make_layout",
+                "size", "cosize", "coalesce", "filter", "composition", "complement", "right_inverse", "left_inverse",
+                "logical_divide", "logical_product", "zipped_divide", "tiled_divide", "zipped_product",
+                "tiled_product", "slice_and_offset")
 PATCH.sets(PYCUTE, PYCUTE_NAMES)
 PATCH.sets(MESH_LAYOUT, ("_FlatLayout", "_MeshLayout"))
 

@@ -1,7 +1,7 @@
 """dtensor-context-parallel-210: the names of torch 2.10's context-parallel API that code imports at
 module level (``_context_parallel_shard``, ``_enable_context_parallel_dispatcher``,
 ``_HeadTailLoadBalancer``, ``_PTRRLoadBalancer``, ``_ContextParallel``,
-``_context_parallel._attention.flex_cp_allgather``) on torch 2.9, raising a clear error when used.
+``_context_parallel._attention.flex_cp_allgather``) on torch 2.4-2.9, raising a clear error when used.
 
 What breaks:   torchtitan 0.3.0 imports them at module level in the module every model's
                ``parallelize`` imports (``torchtitan/distributed/context_parallel/api.py``), so on torch
@@ -36,7 +36,7 @@ PATCH = Patch(
     id="dtensor-context-parallel-210",
     summary="torch 2.10's context-parallel names imported at module level (_context_parallel_shard, "
     "load balancers, _ContextParallel, flex_cp_allgather) on torch 2.9: they load and raise NotImplementedError when used",
-    torch=">=2.9,<2.10",
+    torch=">=2.4,<2.10",
     upstream="https://github.com/pytorch/pytorch/tree/v2.15.0/torch/distributed/tensor/experimental/_context_parallel",
 )
 
@@ -87,6 +87,16 @@ for _name in _CLASSES:
 PATCH.symbol(ATTENTION, "_ContextParallel")(_context_parallel_style)
 
 PATCH.sets(f"{PACKAGE}._attention", ("flex_cp_allgather",))
+
+
+@PATCH.module(ATTENTION)
+def build_attention_module(module: ModuleType) -> None:
+    """torch 2.4 (no ``_attention`` module): the names above, each raising when used."""
+    for name in _FUNCTIONS:
+        setattr(module, name, _function(name))
+    for name in _CLASSES:
+        setattr(module, name, _class(name))
+    module._ContextParallel = _context_parallel_style()
 
 
 @PATCH.module(PACKAGE)

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 
 from torchpatch import Patch
+from torchpatch.patches._reexport import reexport
 
 PATCH = Patch(
     id="dtensor-spec-module",
@@ -33,6 +34,8 @@ PATCH = Patch(
     upstream="https://github.com/pytorch/pytorch/pull/126697",
 )
 PATCH.sets("torch.distributed.tensor._dtensor_spec", ("DTensorSpec", "TensorMeta"))
+for _name in ("DTensorSpec", "TensorMeta"):  # torch 2.15's torch.distributed.tensor re-exports them, private
+    PATCH.symbol("torch.distributed.tensor", f"_{_name}")(reexport("torch.distributed.tensor._dtensor_spec", _name))
 
 
 @PATCH.module("torch.distributed.tensor._dtensor_spec")
@@ -63,3 +66,5 @@ def _strided_shard() -> Any:
 
 
 PATCH.symbol("torch.distributed._tensor.placement_types", "_StridedShard")(_strided_shard)
+# torch 2.15's torch.distributed.tensor re-exports it (2.4's own, 2.2-2.3's served one above)
+PATCH.symbol("torch.distributed.tensor", "_StridedShard")(reexport("torch.distributed._tensor.placement_types", "_StridedShard"))

@@ -35,6 +35,7 @@ from types import ModuleType
 from typing import Any, Callable, Dict, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._reexport import reexport
 from torchpatch.patches.dtensor._internals import (
     STRIDED_POINTWISE_DONE, forget_shardings, maps_strided_shard, strided_shard_type
 )
@@ -121,3 +122,7 @@ def keep_strided_shards(patcher: Patcher, pointwise: ModuleType) -> bool:
     patcher.setattr(pointwise, STRIDED_POINTWISE_DONE, True)
     forget_shardings()
     return True
+
+
+# torch 2.15's torch.distributed.tensor re-exports the placement (2.9 has it in placement_types only)
+PATCH.symbol("torch.distributed.tensor", "_StridedShard")(reexport("torch.distributed.tensor.placement_types", "_StridedShard"))

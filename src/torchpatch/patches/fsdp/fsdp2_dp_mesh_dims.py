@@ -1,5 +1,5 @@
 """fsdp2-dp-mesh-dims: ``fully_shard(module, mesh=full_mesh, dp_mesh_dims=DataParallelMeshDims(...))``
-(FSDP2 over a full SPMD mesh: FSDP, HSDP, TP), torch 2.9-2.11.
+(FSDP2 over a full SPMD mesh: FSDP, HSDP, TP), torch 2.4-2.11.
 
 What breaks:   torchtitan 0.3 (its default ``spmd_backend="spmd_types"``) shards with
                ``fully_shard(block, mesh=storage_mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``
@@ -34,7 +34,10 @@ Fix:           this torch's ``fully_shard`` runs on the data-parallel sub-mesh `
                ``reshard_after_forward=<int>`` with TP stays this torch's ``NotImplementedError``; the
                ``full_tensor()`` of a parameter whose dim does not divide by dp x tp is
                dtensor-strided-shard-uneven's ``NotImplementedError`` (this torch gathers it out of order).
-               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's.
+               Without ``dp_mesh_dims``, ``fully_shard`` is this torch's. On 2.4 (FSDP2 under
+               ``torch.distributed._composable.fsdp``) the same, with 2.4's own FSDP+TP labelling
+               (fsdp2-2d-state-dict: no ``_StridedShard``, so the ``copy_`` refusal above does not
+               apply); measured there: torchtitan 0.3.0's ``fsdp`` (docs/torchtitan.md).
 Upstream:      https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py
 """
 
@@ -51,7 +54,7 @@ PATCH = Patch(
     id="fsdp2-dp-mesh-dims",
     summary="fully_shard(mesh=full_mesh, dp_mesh_dims=...): FSDP/HSDP (+TP) over a full SPMD mesh, as this "
             "torch's FSDP2 over the data-parallel sub-mesh with TP DTensor parameters",
-    torch=">=2.9,<2.12",
+    torch=">=2.4,<2.12",
     upstream="https://github.com/pytorch/pytorch/tree/v2.12.1/torch/distributed/fsdp/_fully_shard/_fully_shard.py",
     behaviour="fully_shard(dp_mesh_dims=...)",
     requires=("fsdp-data-parallel-mesh-dims",),
@@ -128,7 +131,7 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
         for _, name, param in params:
             _storage(name, param, mesh, dp_mesh_dims)  # 2.15's errors for plain parameters
         return dp_mesh
-    if several and dp_mesh.size() > 1 and not pointwise_keeps_strided_shard():
+    if several and dp_mesh.size() > 1 and _strided_fsdp_tp() and not pointwise_keeps_strided_shard():
         # measured: torchtitan 0.3.0's fsdp+tp+sac (dp_shard 2 x tp 2) on 2.9.0 loaded its fused wqkv
         # from the seed checkpoint with param.copy_(replicated), which this torch's pointwise strategy
         # places as Shard (other ranks' rows), and trained 6.5e-3 off one process
@@ -138,6 +141,15 @@ def _dp_mesh(module: Any, mesh: Any, dp_mesh_dims: Any, ignored: Any) -> Any:
                         "and would put other ranks' rows in them")
     _to_tp_params(params, mesh, dp_mesh_dims, others, several)
     return dp_mesh
+
+
+def _strided_fsdp_tp() -> bool:
+    """Whether this torch's FSDP2 labels an FSDP+TP parameter ``_StridedShard`` on the dp dim (2.5+); 2.4's
+    labels it ``(TP placement, Shard(0))`` on the (tp, dp) mesh (fsdp2-2d-state-dict), which its pointwise
+    ops place right."""
+    import torch
+
+    return torch.__version__ >= "2.5"
 
 
 def _unmanaged_params(module: Any, ignored: Any) -> List[Tuple[Any, str, Any]]:
@@ -313,4 +325,5 @@ def _patch_home(patcher: Patcher, home: ModuleType) -> bool:
 
 for _home in HOMES:
     PATCH.on_import(_home)(_patch_home)
-PATCH.on_import("torch.distributed.fsdp._fully_shard._fsdp_param")(_patch_fsdp_param)
+for _param_home in ("torch.distributed.fsdp._fully_shard._fsdp_param", "torch.distributed._composable.fsdp._fsdp_param"):
+    PATCH.on_import(_param_home)(_patch_fsdp_param)

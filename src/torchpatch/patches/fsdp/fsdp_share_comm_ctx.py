@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Callable, List
 
 from torchpatch import Patch
+from torchpatch.patches._reexport import reexport
 
 PATCH = Patch(
     id="fsdp-share-comm-ctx",
@@ -61,3 +62,8 @@ def serve_share_comm_ctx() -> Callable[[List[Any]], None]:
         from torch.distributed._composable.fsdp import FSDPModule
 
     return make_share_comm_ctx(FSDPModule)
+
+
+# torch 2.15 defines it in _fully_shard._fully_shard and re-exports it in each package above
+for _module in ("torch.distributed.fsdp._fully_shard", "torch.distributed.fsdp._fully_shard._fully_shard"):
+    PATCH.symbol(_module, "share_comm_ctx")(reexport("torch.distributed.fsdp", "share_comm_ctx"))

@@ -34,6 +34,7 @@ PATCH = Patch(
               "TypeError: PipelineStage.__init__() missing 1 required positional argument: 'input_args'"),
     ),
 )
+PATCH.takes("torch.distributed.pipelining.stage.PipelineStage", ("input_args=None",))  # for ``torchpatch check``
 
 _DEFERRED = "_torchpatch_deferred"  # stage attribute: what its construction still needs
 _INFERRED = "_torchpatch_inferred"  # stage attribute: its shapes were learnt at the first step

@@ -32,6 +32,7 @@ from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, Optional, Tuple
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._reexport import reexport
 from torchpatch.patches.pipelining.pipelining_zbv import _Action, runtime_classes, serve_in_lookup, v_placement
 
 PATCH = Patch(
@@ -133,3 +134,6 @@ def serve_schedule() -> type:
 @PATCH.on_import(SCHEDULES)
 def dualpipev_in_lookup(patcher: Patcher, schedules: Any) -> bool:
     return serve_in_lookup(patcher, schedules, "DualPipeV", "ScheduleDualPipeV")
+
+# torch 2.15's torch.distributed.pipelining re-exports it
+PATCH.symbol("torch.distributed.pipelining", "ScheduleDualPipeV")(reexport(SCHEDULES, "ScheduleDualPipeV"))

@@ -26,6 +26,7 @@ from collections import defaultdict
 from typing import Any, Callable, DefaultDict, Dict, List, Optional, Set, Tuple
 
 from torchpatch import Patch
+from torchpatch.patches._reexport import reexport
 from torchpatch.patches.pipelining.pipelining_zbv import _Action
 
 PATCH = Patch(
@@ -140,3 +141,6 @@ def serve_schedule() -> type:
     cls = make_schedule_class(schedules._PipelineScheduleRuntime)
     cls.__module__ = SCHEDULES
     return cls
+
+# torch 2.15's torch.distributed.pipelining re-exports it
+PATCH.symbol("torch.distributed.pipelining", "ScheduleInterleavedZeroBubble")(reexport(SCHEDULES, "ScheduleInterleavedZeroBubble"))

@@ -38,6 +38,7 @@ PATCH = Patch(
               "TypeError: PipelineStage.__init__() got an unexpected keyword argument 'get_mesh'"),
     ),
 )
+PATCH.takes("torch.distributed.pipelining.stage.PipelineStage", ("get_mesh=None",))  # for ``torchpatch check``
 
 
 def _init(wrapped: Any, instance: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:

@@ -42,6 +42,7 @@ import re
 from typing import Any, Dict, List, NamedTuple, Optional
 
 from torchpatch import Patch, Patcher
+from torchpatch.patches._reexport import reexport
 
 PATCH = Patch(
     id="pipelining-zbv",
@@ -367,3 +368,6 @@ for _name in ("_PipelineScheduleRuntime", "ScheduleZBVZeroBubble"):
 @PATCH.on_import(SCHEDULES)
 def zbv_in_lookup(patcher: Patcher, schedules: Any) -> bool:
     return serve_in_lookup(patcher, schedules, "ZBVZeroBubble", "ScheduleZBVZeroBubble")
+
+# torch 2.15's torch.distributed.pipelining re-exports it
+PATCH.symbol("torch.distributed.pipelining", "ScheduleZBVZeroBubble")(reexport(SCHEDULES, "ScheduleZBVZeroBubble"))

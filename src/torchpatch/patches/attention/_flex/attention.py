@@ -15,7 +15,7 @@ from torch import Tensor
 from .._heads import check_gqa_heads
 from ..flex_attention_aux import AuxOutput, AuxRequest
 from .block_mask import _LARGE_SPARSE_BLOCK_SIZE, BlockMask, _ordered_to_dense, _sliced_mask_mod_error
-from .mods import _MODULE, _score_mod_signature, evaluate, identity_score
+from .mods import _MODULE, _identity, _score_mod_signature, evaluate
 
 _BLOCK_MASK_TOO_SMALL_ERROR = ("block_mask was created for a smaller length than you're using it for, you likely "
                                "need to create a new block mask.")
@@ -181,7 +181,7 @@ def flex_attention(query: Tensor, key: Tensor, value: Tensor, score_mod: Optiona
     gives output 0 and logsumexp -inf.
     """
     _validate(query, key, value, block_mask, enable_gqa)
-    score_mod = identity_score if score_mod is None else score_mod
+    score_mod = _identity if score_mod is None else score_mod
     if block_mask is None:
         block_mask = BlockMask.from_kv_blocks(torch.ones([1, 1, 1], dtype=torch.int32, device=query.device),
                                               torch.zeros([1, 1, 1, 1], dtype=torch.int32, device=query.device),

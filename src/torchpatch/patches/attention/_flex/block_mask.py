@@ -22,6 +22,17 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
+def _round_up_to_multiple(x: int, multiple: int) -> int:
+    return (x + multiple - 1) // multiple * multiple
+
+
+def _broadcast_to_dim(x: Tensor, dim: int) -> Tensor:
+    """``x`` with leading size-1 dimensions up to ``dim`` dimensions."""
+    while x.dim() < dim:
+        x = x.unsqueeze(0)
+    return x
+
+
 def _ordered_to_dense(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tensor:
     """The [..., rows, num_cols] int32 0/1 block grid of an ordered block list (entries past
     ``num_blocks`` ignored)."""
@@ -38,8 +49,10 @@ def _dense_to_ordered(dense: Tensor) -> Tuple[Tensor, Tensor]:
     return dense.sum(dim=-1).to(torch.int32).contiguous(), indices.to(torch.int32).contiguous()
 
 
-def _transpose_ordered(num_blocks: Tensor, indices: Tensor, num_cols: int) -> Tuple[Tensor, Tensor]:
-    return _dense_to_ordered(_ordered_to_dense(num_blocks, indices, num_cols).transpose(-2, -1))
+def _transpose_ordered(num_blocks: Tensor, indices: Tensor, num_cols: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """The ordered block list of the transposed grid (``num_cols`` defaults to the indices' width, as torch's)."""
+    width = indices.shape[-1] if num_cols is None else num_cols
+    return _dense_to_ordered(_ordered_to_dense(num_blocks, indices, width).transpose(-2, -1))
 
 
 def _crop_ordered(num_blocks: Tensor, indices: Tensor, rows: int, cols: int) -> Tuple[Tensor, Tensor]:
@@ -52,7 +65,11 @@ def _sliced_mask_mod_error(batch: Tensor, head: Tensor, token_q: Tensor, token_k
     """The mask_mod of a sliced BlockMask: raises torch's error (a slice has no valid mask_mod)."""
     raise RuntimeError(
         "Cannot use mask_mod from a sliced BlockMask. When you slice a BlockMask using [], the mask_mod attribute "
-        "is reset. You must set it from the original BlockMask's mask_mod.")
+        "is reset. You must set it from the original BlockMask's mask_mod.\n\nIncorrect usage:"
+        "\n  base_mask = create_block_mask(my_mask_fn, ...)\n  sliced_mask = base_mask[:, :, block_idx]"
+        "\n  sliced_mask.mask_mod = apply_offset(sliced_mask.mask_mod, offset)  # WRONG!\n\nCorrect usage:"
+        "\n  base_mask = create_block_mask(my_mask_fn, ...)\n  sliced_mask = base_mask[:, :, block_idx]"
+        "\n  sliced_mask.mask_mod = apply_offset(base_mask.mask_mod, offset)  # Use base_mask!")
 
 
 class BlockMask:

@@ -4,7 +4,9 @@ vectorised evaluation of a mod over every (batch, head, q_idx, kv_idx) that the 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Optional, Tuple, Union
+import warnings
+from enum import Enum
+from typing import Any, Callable, Optional, Set, Tuple, Type, Union
 
 import torch
 import torch._dynamo
@@ -14,6 +16,26 @@ _mask_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 _score_mod_signature = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _MODULE = "torch.nn.attention.flex_attention"
+_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG = False  # torch's switch to run flex_attention eagerly: this one always does
+_WARNINGS_SHOWN: Set[str] = set()
+
+
+def _warn_once(warning_id: str, message: str, category: Type[Warning] = UserWarning) -> None:
+    """Warn once per process for ``warning_id`` (torch 2.15's helper; nothing here runs compiled)."""
+    if warning_id not in _WARNINGS_SHOWN:
+        warnings.warn(message, category, stacklevel=2)
+        _WARNINGS_SHOWN.add(warning_id)
+
+
+class _ModificationType(Enum):
+    """A mod's kind, from its positional parameters: SCORE_MOD (5), MASK_MOD (4)."""
+
+    SCORE_MOD = 1
+    MASK_MOD = 2
+    UNKNOWN = 3
+
+
+_ModificationType.__module__ = _MODULE
 
 
 def noop_mask(batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) -> Tensor:
@@ -21,7 +43,7 @@ def noop_mask(batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) ->
     return batch.new_ones(size=(), dtype=torch.bool, device=batch.device)
 
 
-def identity_score(score: Tensor, batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) -> Tensor:
+def _identity(score: Tensor, batch: Tensor, head: Tensor, token_q: Tensor, token_kv: Tensor) -> Tensor:
     """The score_mod that leaves the score as it is."""
     return score
 
@@ -52,9 +74,9 @@ def and_masks(*mask_mods: _mask_mod_signature) -> _mask_mod_signature:
     return _combined(mask_mods, True, torch.bitwise_and, "and_mask")
 
 
-def is_score_mod(fn: Callable[..., Any]) -> bool:
-    """True for a score_mod (5 positional parameters without default), False for a mask_mod (4);
-    anything else raises torch's ``AssertionError``."""
+def _get_mod_type(fn: Callable[..., Any]) -> _ModificationType:
+    """SCORE_MOD for 5 positional parameters without default, MASK_MOD for 4; anything else raises
+    torch's ``AssertionError``."""
     code = getattr(fn, "__code__", None)
     if code is not None:
         count = code.co_argcount - len(getattr(fn, "__defaults__", None) or ())
@@ -62,7 +84,11 @@ def is_score_mod(fn: Callable[..., Any]) -> bool:
         count = sum(1 for p in inspect.signature(fn).parameters.values() if p.default is inspect.Parameter.empty)
     if count not in (4, 5):
         raise AssertionError(f"Expected 4 or 5 positional args, got {count}")
-    return count == 5
+    return _ModificationType.SCORE_MOD if count == 5 else _ModificationType.MASK_MOD
+
+
+def is_score_mod(fn: Callable[..., Any]) -> bool:
+    return _get_mod_type(fn) is _ModificationType.SCORE_MOD
 
 
 @torch._dynamo.disable  # torch 2.4's Inductor cannot compile the vmapped mod: it runs eagerly under torch.compile too

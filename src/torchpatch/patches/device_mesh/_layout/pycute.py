@@ -2,11 +2,11 @@
 (the last mode varies fastest), for the integer bookkeeping of device-mesh ranks.
 
 An ``IntTuple`` is an int or a (nested) tuple of them; a :class:`Layout` maps a coordinate (or a flat
-index) to ``sum(coord * stride)``. Served: the int-tuple helpers, :class:`Layout` (call with
-coordinates or an index, indexing, ``size``, ``cosize``), ``make_layout``, ``size``, ``cosize``,
-``coalesce``, ``filter``, ``composition``, ``complement``. Not served (device meshes never use them):
-slicing a layout with ``None`` coordinates, ``slice_``, ``crd2crd``, ``shape_div``, ``elem_scale``,
-the inverses, and the logical/zipped/tiled divides and products.
+index) to ``sum(coord * stride)``. Served: the int-tuple helpers (``slice_``, ``crd2crd``,
+``shape_div``, ``elem_scale`` ... included), :class:`Layout` (call with coordinates or an index,
+indexing, ``size``, ``cosize``), ``make_layout``, ``size``, ``cosize``, ``coalesce``, ``filter``,
+``composition``, ``complement``, the inverses, the logical/zipped/tiled divides and products,
+``slice_and_offset``. Not served (device meshes never use it): calling a layout with ``None`` coordinates.
 """
 
 from __future__ import annotations
@@ -102,6 +102,87 @@ def crd2idx(crd: Optional[IntTuple], shape: IntTuple, stride: Optional[IntTuple]
         crd, rest = divmod(crd, product(shape[i]))
         result += crd2idx(rest, shape[i], stride[i])
     return result + (crd2idx(crd, shape[0], stride[0]) if shape else 0)
+
+
+def signum(a: int) -> int:
+    return bool(a > 0) - bool(a < 0)
+
+
+def inner_product(a: IntTuple, b: IntTuple) -> int:
+    """``sum(x * y)`` over matching leaves of ``a`` and ``b`` (same nesting)."""
+    if is_tuple(a) and is_tuple(b):
+        if len(a) != len(b):
+            raise AssertionError
+        return sum(map(inner_product, a, b))
+    if is_tuple(a) or is_tuple(b):
+        raise AssertionError
+    return a * b
+
+
+def tuple_max(a: IntTuple) -> int:
+    return max(map(tuple_max, a)) if is_tuple(a) else a
+
+
+def elem_scale(a: IntTuple, b: IntTuple) -> IntTuple:
+    """``a`` scaled leaf by leaf by ``b`` (an int ``a`` by ``b``'s product)."""
+    if is_tuple(a):
+        if not is_tuple(b):
+            raise AssertionError("Invalid combination: tuple with int")
+        if len(a) != len(b):
+            raise AssertionError
+        return tuple(map(elem_scale, a, b))
+    return elem_scale(a, product(b)) if is_tuple(b) else a * b
+
+
+def shape_div(a: IntTuple, b: IntTuple) -> IntTuple:
+    """``a`` divided by ``b``, mode by mode (an int ``b`` divides ``a``'s modes left to right)."""
+    if is_tuple(a):
+        if is_tuple(b):
+            if len(a) != len(b):
+                raise AssertionError
+            return tuple(map(shape_div, a, b))
+        out = []
+        for mode in a:
+            out.append(shape_div(mode, b))
+            b = shape_div(b, product(mode))
+        return tuple(out)
+    if is_tuple(b):
+        return shape_div(a, product(b))
+    if not (a % b == 0 or b % a == 0):
+        raise AssertionError
+    return (a + b - 1) // b
+
+
+def crd2crd(crd: IntTuple, dst_shape: IntTuple, src_shape: Optional[IntTuple] = None) -> IntTuple:
+    """Coordinate ``crd`` (of ``src_shape``) as a coordinate of ``dst_shape``."""
+    if is_tuple(crd):
+        if is_tuple(dst_shape):
+            if len(crd) != len(dst_shape):
+                raise AssertionError
+            return tuple(crd2crd(x, y) for x, y in zip(crd, dst_shape))
+        if src_shape is None:
+            raise AssertionError
+        return crd2idx(crd, src_shape)
+    if is_tuple(dst_shape):
+        return idx2crd(crd, dst_shape)
+    if crd >= dst_shape:
+        raise AssertionError
+    return crd
+
+
+def slice_(crd: Union[Tuple[Any, ...], int, None], trg: Union[Tuple[Any, ...], int]) -> Union[Tuple[Any, ...], int]:
+    """The modes of ``trg`` where ``crd`` is ``None``, flattened one level."""
+    if is_tuple(crd):
+        if not is_tuple(trg):
+            raise AssertionError("Invalid combination: tuple crd with int trg")
+        if len(crd) != len(trg):
+            raise AssertionError
+        return tuple(m for part in (slice_(c, s) for c, s in zip(crd, trg)) if part != () for m in part)
+    return (trg,) if crd is None else ()
+
+
+def has_none(a: Union[Tuple[Any, ...], int, None]) -> bool:
+    return any(map(has_none, a)) if is_tuple(a) else a is None
 
 
 class LayoutBase:
@@ -260,3 +341,100 @@ def complement(layout: Union[Layout, IntTuple], max_idx: int = 1) -> Layout:
     shape.append(-(-max_idx // current))
     stride.append(current)
     return coalesce(Layout(tuple(shape[::-1]), tuple(stride[::-1])))
+
+
+def right_inverse(layout: Union[Layout, IntTuple, None]) -> Optional[Layout]:
+    """The layout R with ``layout(R(i)) == i`` over the largest contiguous prefix of ``layout``'s image."""
+    if layout is None:
+        return None
+    if is_int(layout):
+        return Layout(layout)
+    shape: List[int] = []
+    stride: List[int] = []
+    current = 1
+    flat_shape = flatten(layout.shape)
+    for mode_stride, mode_shape, rstride in sorted(zip(flatten(layout.stride), flat_shape,
+                                                       flatten(suffix_product(flat_shape)))):
+        if mode_shape == 1:
+            continue
+        if current != mode_stride:
+            break
+        shape.append(mode_shape)
+        stride.append(rstride)
+        current = mode_shape * mode_stride
+    return coalesce(Layout(tuple(reversed(shape)), tuple(reversed(stride))))
+
+
+def left_inverse(layout: Union[Layout, IntTuple, None]) -> Optional[Layout]:
+    """The layout L with ``L(layout(i)) == i``."""
+    if layout is None:
+        return None
+    if is_int(layout):
+        return Layout(layout)
+    return right_inverse(make_layout(complement(layout), layout))
+
+
+def _by_modes(op: Any, layout_a: Layout, layout_b: Tuple[Any, ...]) -> Layout:
+    """``op`` applied mode by mode over ``layout_b``'s modes; ``layout_a``'s further modes kept."""
+    if len(layout_a) < len(layout_b):
+        raise AssertionError
+    return make_layout([op(layout_a[i], layout_b[i]) for i in range(len(layout_b))]
+                       + [layout_a[i] for i in range(len(layout_b), len(layout_a))])
+
+
+def logical_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    """``layout_a`` split into tiles of ``layout_b`` and the rest."""
+    if layout_b is None:
+        return layout_a
+    if is_int(layout_b):
+        return logical_divide(layout_a, Layout(layout_b))
+    if is_tuple(layout_b):
+        return _by_modes(logical_divide, layout_a, layout_b)
+    return composition(layout_a, make_layout(layout_b, complement(layout_b, size(layout_a))))
+
+
+def logical_product(layout_a: Layout, layout_b: Any) -> Layout:
+    """``layout_a`` repeated as ``layout_b`` says (an int ``layout_b``: divided, as torch 2.15 does)."""
+    if layout_b is None:
+        return layout_a
+    if is_int(layout_b):
+        return logical_divide(layout_a, Layout(layout_b))
+    if is_tuple(layout_b):
+        return _by_modes(logical_product, layout_a, layout_b)
+    return make_layout(layout_a, composition(complement(layout_a, size(layout_a) * cosize(layout_b)), layout_b))
+
+
+def _hier_unzip(splitter: Any, layout_a: Layout, layout_b: Any) -> Layout:
+    if layout_b is None:
+        return make_layout(Layout(1, 0), layout_a)
+    if is_tuple(layout_b):
+        if len(layout_a) < len(layout_b):
+            raise AssertionError
+        split = make_layout([_hier_unzip(splitter, layout_a[i], layout_b[i]) for i in range(len(layout_b))])
+        return make_layout(make_layout([split[i][0] for i in range(len(layout_b))]),
+                           make_layout([split[i][1] for i in range(len(layout_b))]
+                                       + [layout_a[i] for i in range(len(layout_b), len(layout_a))]))
+    return splitter(layout_a, layout_b)
+
+
+def zipped_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    return _hier_unzip(logical_divide, layout_a, layout_b)
+
+
+def tiled_divide(layout_a: Layout, layout_b: Any) -> Layout:
+    result = zipped_divide(layout_a, layout_b)
+    return make_layout([result[0]] + [result[1][i] for i in range(len(result[1]))])
+
+
+def zipped_product(layout_a: Layout, layout_b: Any) -> Layout:
+    return _hier_unzip(logical_product, layout_a, layout_b)
+
+
+def tiled_product(layout_a: Layout, layout_b: Any) -> Layout:
+    result = zipped_product(layout_a, layout_b)
+    return make_layout([result[0]] + [result[1][i] for i in range(len(result[1]))])
+
+
+def slice_and_offset(crd: Tuple[Any, ...], layout: Layout) -> Tuple[Layout, int]:
+    """The sub-layout of ``layout``'s modes where ``crd`` is None, and the offset of ``crd``'s other coordinates."""
+    return Layout(slice_(crd, layout.shape), slice_(crd, layout.stride)), crd2idx(crd, layout.shape, layout.stride)
