@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import survey
-from conftest import TORCH, clean_env, torch_matches
+from conftest import TORCH, torch_matches, torchpatch_command
 from test_torchtitan import RELEASES
 
 pytestmark = pytest.mark.skipif(not RELEASES, reason="no torchtitan release installed (TORCHTITAN_TEST_RELEASES)")
@@ -94,8 +93,7 @@ def test_check_leaves_unresolved_only_what_no_run_reaches(release):
         pytest.skip(f"torchtitan {release}'s check is recorded for torch {spec}")
     package = Path(RELEASES[release]) / "torchtitan"
     paths = sorted(str(p) for p in package.iterdir() if p.name not in ("experiments", "__pycache__"))
-    proc = subprocess.run([sys.executable, "-m", "torchpatch", "check", "--json", *paths], capture_output=True,
-                          text=True, timeout=300, env=clean_env())
+    proc = torchpatch_command("check", "--json", *paths)
     assert proc.returncode in (0, 1), proc.stderr
     unresolved = {row["name"] for row in json.loads(proc.stdout)["rows"] if row["kind"] == "unresolved"}
     declared = set(json.loads(fixture.read_text())[release])

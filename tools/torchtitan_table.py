@@ -388,8 +388,9 @@ def table_columns(table: str) -> Dict[str, Dict[tuple, str]]:
     headers = [cell.strip() for cell in lines[0].split("|")[1:-1]]
     columns: Dict[str, Dict[tuple, str]] = {header: {} for header in headers[2:]}
     for row in lines[2:]:
+        key = _row_key(row)
         for header, cell in zip(headers[2:], row.split("|")[3:-1]):
-            columns[header][_row_key(row)] = cell.strip()
+            columns[header][key] = cell.strip()
     return columns
 
 

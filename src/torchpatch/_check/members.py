@@ -26,7 +26,7 @@ from .base import MISSING, NATIVE, PATCHED, Result
 from .factories import RETURNS
 from .inventory import Inventory
 from .serving import Serving
-from .signature import CallShape, Signature
+from .signature import CallShape, Signature, param_name
 
 TypeExpr = Tuple[Any, ...]  # ("name" | "inst", dotted) | ("call" | "item", TypeExpr) | ("attr", TypeExpr, name)
 FOLLOWED = ("torch.distributed.", "torch._C._distributed")  # where the classes whose members are checked live
@@ -189,7 +189,7 @@ class MemberChecker:
                   for param in self.serving.init_params.get(owner, [])]
         if served and not sig.widened([param for param, _patch in served]).problems(shape):
             used = [(param, patch) for param, patch in served  # the parameters this call needs served
-                    if param.split("=", 1)[0].strip() in set(shape.keywords).union(sig.required)]
+                    if param_name(param) in set(shape.keywords).union(sig.required)]
             patches = tuple(dict.fromkeys(patch for _param, patch in used))
             return Result(PATCHED, name, patches, tuple(f"{name} takes {param} with {patch}" for param, patch in used))
         note = f"{'; '.join(problems)}: torch {self.types.inv.version}'s __init__ is {sig.text}"

@@ -9,6 +9,11 @@ from typing import FrozenSet, List, Optional, Sequence, Tuple
 _OPEN, _CLOSE = "([{<", ")]}>"
 
 
+def param_name(param: str) -> str:
+    """The name of a parameter as a signature writes it (``"name=default"``, ``"name"``)."""
+    return param.split("=", 1)[0].strip()
+
+
 @dataclass(frozen=True)
 class CallShape:
     """The arguments of one call, as the source shows them."""
@@ -68,7 +73,7 @@ class Signature:
             elif part.startswith("*"):
                 varargs = kwonly = True
             else:
-                name, has_default = part.split("=", 1)[0].strip(), "=" in part
+                name, has_default = param_name(part), "=" in part
                 if not kwonly:
                     positional.append(name)
                 keyword.append(name)
@@ -83,7 +88,7 @@ class Signature:
     def widened(self, params: Sequence[str]) -> "Signature":
         """This signature where each ``"name=default"`` of ``params`` is optional: made so where it is a
         parameter, added as a keyword-only one where it is not (a patch's additions, ``Patch.takes``)."""
-        names = [p.split("=", 1)[0].strip() for p in params]
+        names = [param_name(p) for p in params]
         added = [p for p, name in zip(params, names) if name not in self.keyword and name not in self.positional]
         text = self.text if not added else f"{self.text[:-1]}, *, {', '.join(added)})".replace("(, ", "(")
         return Signature(text, self.positional, self.keyword.union(names), self.required.difference(names),
